@@ -1,0 +1,27 @@
+# The two commands of the README: `make demo` and `make test`. Each creates .venv when missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "asyncjobq needs Python 3.11+: set PYTHON=python3.11 (or newer)")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -U pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[embedded,dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m asyncjobq demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy --strict src
+
+clean:
+	rm -rf $(VENV) .asyncjobq .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,41 @@
+"""asyncjobq: an asyncio job queue on PostgreSQL. See README.md and DESIGN.md."""
+
+from .errors import (
+    AppImportError,
+    AsyncJobQError,
+    ConfigurationError,
+    DatabaseUnavailableError,
+    EmbeddedUnavailableError,
+    InvalidPayloadError,
+    QueueClosedError,
+    SchemaNotInstalledError,
+    SchemaVersionError,
+    UnknownTaskError,
+)
+from .job import Fail, Job, JobInfo, Retry
+from .queue import Queue
+from .task import Task
+from .worker import Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AppImportError",
+    "AsyncJobQError",
+    "ConfigurationError",
+    "DatabaseUnavailableError",
+    "EmbeddedUnavailableError",
+    "Fail",
+    "InvalidPayloadError",
+    "Job",
+    "JobInfo",
+    "Queue",
+    "QueueClosedError",
+    "Retry",
+    "SchemaNotInstalledError",
+    "SchemaVersionError",
+    "Task",
+    "UnknownTaskError",
+    "Worker",
+    "__version__",
+]

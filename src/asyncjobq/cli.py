@@ -1,0 +1,317 @@
+"""`python -m asyncjobq` / `asyncjobq`: worker, install, enqueue, status, retry-failed, cancel, demo.
+
+Mistakes exit 2 (usage) or 1 (runtime) with one line on stderr that says what to do.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import click
+import psycopg
+
+from . import runtime
+from .dsn import redact
+from .errors import AppImportError, AsyncJobQError
+from .queue import Queue
+from .worker import Worker
+
+F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("asyncjobq")
+
+
+def _fail(message: str, code: int = 1) -> None:
+    click.echo(f"asyncjobq: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _guard(fn: F) -> F:
+    """Our errors and database errors become one line and exit 1, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except AsyncJobQError as e:
+            _fail(str(e))
+        except psycopg.Error as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            _fail(f"database error: {text}")
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _db_options(fn: F) -> F:
+    fn = click.option("--schema", default="asyncjobq", show_default=True,
+                      help="PostgreSQL schema holding the queue tables.")(fn)
+    fn = click.option("--dsn", default=None, metavar="DSN",
+                      help="PostgreSQL DSN; else $ASYNCJOBQ_DSN; else the embedded server.")(fn)
+    return fn
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="asyncjobq")
+def main() -> None:
+    """asyncjobq: an asyncio job queue on PostgreSQL."""
+
+
+# --- worker ----------------------------------------------------------------------------------
+
+
+def load_app(app: str) -> Queue:
+    if ":" not in app:
+        raise AppImportError(
+            f"APP {app!r} is not module:attribute: use e.g. `myapp.jobs:queue`")
+    module_name, _, attr = app.partition(":")
+    if not module_name or not attr:
+        raise AppImportError(f"APP {app!r} is not module:attribute: use e.g. `myapp.jobs:queue`")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the app lives where you are
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise AppImportError(
+                f"cannot import {module_name!r} ({e}): run from the directory that contains "
+                "it, or add that directory to PYTHONPATH") from None
+        raise AppImportError(f"importing {module_name!r} failed: {e}") from None
+    except Exception as e:
+        where = ""
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            where = f" at {Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}"
+        raise AppImportError(
+            f"importing {module_name!r} raised {type(e).__name__}: {e}{where}; fix the module"
+        ) from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AppImportError(
+                f"{module_name!r} has no attribute {attr!r}: name the asyncjobq.Queue "
+                f"object, e.g. `{module_name}:queue`")
+        obj = getattr(obj, part)
+    if not isinstance(obj, Queue):
+        raise AppImportError(
+            f"{app} is a {type(obj).__name__}, not an asyncjobq.Queue: point APP at the "
+            "object created with asyncjobq.Queue(...)")
+    return obj
+
+
+@main.command()
+@click.argument("app")
+@click.option("--queue", "queues", multiple=True, metavar="Q",
+              help="Queue to serve (repeatable). Default: default.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Most jobs claimed per statement.")
+@click.option("--lease", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Seconds without heartbeat after which a job is reaped.")
+@click.option("--poll-interval", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True)
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0,
+              show_default=True)
+@click.option("--name", default=None, help="Worker name (locked_by prefix).")
+@click.option("--no-listen", is_flag=True, help="Poll only; no LISTEN connection.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+@click.option("--dsn", default=None, metavar="DSN",
+              help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
+@_guard
+def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int, lease: float,
+           poll_interval: float, shutdown_timeout: float, name: str | None, no_listen: bool,
+           log_level: str, dsn: str | None) -> None:
+    """Run a worker for APP (module:attribute naming a Queue) until SIGTERM/SIGINT."""
+    _setup_logging(log_level)
+    queue = load_app(app)
+    if dsn:
+        queue.set_dsn(dsn)
+    w = Worker(queue, queues=queues or ("default",), concurrency=concurrency, batch_size=batch,
+               lease=lease, poll_interval=poll_interval, shutdown_timeout=shutdown_timeout,
+               name=name, listen=not no_listen)
+    runtime.run(_run_worker, w)
+
+
+async def _run_worker(w: Worker) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    signals = {"count": 0}
+
+    def on_signal(signum: int) -> None:
+        signals["count"] += 1
+        if signals["count"] == 1:
+            log.info("%s: stopping (send it again to exit at once)", signal.Signals(signum).name)
+            w.stop()
+        else:
+            log.warning("second signal: exiting now; running jobs will be reaped after the lease")
+            os._exit(1)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, on_signal, s)
+    try:
+        await w.run()
+    finally:
+        await w.queue.close()
+
+
+# --- admin commands ----------------------------------------------------------------------------
+
+
+def _with_queue(dsn: str | None, schema: str, fn: Callable[[Queue], Any]) -> Any:
+    async def go() -> Any:
+        async with Queue(dsn, schema=schema) as q:
+            return await fn(q)
+
+    return runtime.run(go)
+
+
+@main.command()
+@_db_options
+@_guard
+def install(dsn: str | None, schema: str) -> None:
+    """Create or upgrade the queue schema (idempotent)."""
+    applied = _with_queue(dsn, schema, lambda q: q.install())
+    if applied:
+        click.echo(f"schema {schema}: applied migrations {', '.join(map(str, applied))}")
+    else:
+        click.echo(f"schema {schema}: up to date")
+
+
+def _parse_payload(_ctx: click.Context, _param: click.Parameter, value: str) -> Any:
+    try:
+        payload = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(
+            f"not valid JSON ({e.msg} at column {e.colno}): pass an object like "
+            "'{\"to\": \"a@example.com\"}'") from None
+    if not isinstance(payload, dict):
+        raise click.BadParameter(
+            f"must be a JSON object, got {type(payload).__name__}: wrap it, e.g. "
+            "'{\"value\": ...}'")
+    return payload
+
+
+@main.command()
+@click.argument("task")
+@click.option("--payload", default="{}", callback=_parse_payload, metavar="JSON",
+              show_default=True)
+@click.option("--queue", default="default", show_default=True)
+@click.option("--priority", type=click.IntRange(-(2**31), 2**31 - 1), default=0,
+              show_default=True)
+@click.option("--delay", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Seconds before the job may run.")
+@click.option("--max-attempts", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--dedup-key", default=None)
+@_db_options
+@_guard
+def enqueue(task: str, payload: dict[str, Any], queue: str, priority: int, delay: float,
+            max_attempts: int, dedup_key: str | None, dsn: str | None, schema: str) -> None:
+    """Enqueue one TASK job and print its id."""
+    job_id = _with_queue(dsn, schema, lambda q: q.enqueue(
+        task, payload, queue=queue, priority=priority, delay=delay, max_attempts=max_attempts,
+        dedup_key=dedup_key))
+    click.echo(job_id)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--lease", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Running jobs not heartbeated this long count as stale.")
+@_db_options
+@_guard
+def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
+    """Per queue: counts by status, oldest queued age, stale running, last-minute throughput."""
+
+    async def gather(q: Queue) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
+        return await q.stats(), await q.health(lease)
+
+    counts, health = _with_queue(dsn, schema, gather)
+    if as_json:
+        click.echo(json.dumps({"schema": schema, "queues": counts, "health": health},
+                              indent=2, sort_keys=True))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"asyncjobq schema {schema}")
+    for col in ("queue", "queued", "running", "done", "failed", "cancelled",
+                "oldest queued", "stale running", "done/min"):
+        table.add_column(col, justify="left" if col == "queue" else "right")
+    for name in sorted(counts):
+        c, h = counts[name], health.get(name, {})
+        age = h.get("oldest_queued_age_s")
+        table.add_row(name, *(str(c[s]) for s in ("queued", "running", "done", "failed",
+                                                  "cancelled")),
+                      "-" if age is None else f"{age:.1f} s", str(h.get("stale_running", 0)),
+                      str(h.get("done_last_minute", 0)))
+    if not counts:
+        table.caption = "no jobs yet"
+    Console().print(table)
+
+
+@main.command("retry-failed")
+@click.option("--queue", default=None)
+@click.option("--task", default=None)
+@click.option("--error-like", default=None, metavar="PATTERN",
+              help="SQL LIKE pattern on last_error, e.g. '%Timeout%'.")
+@_db_options
+@_guard
+def retry_failed(queue: str | None, task: str | None, error_like: str | None, dsn: str | None,
+                 schema: str) -> None:
+    """Requeue failed (dead-lettered) jobs with their attempts reset."""
+    n = _with_queue(dsn, schema, lambda q: q.retry_failed(queue=queue, task=task,
+                                                          error_like=error_like))
+    click.echo(f"requeued {n} failed job(s)")
+
+
+@main.command()
+@click.argument("job_id", metavar="ID", type=click.IntRange(min=1))
+@_db_options
+@_guard
+def cancel(job_id: int, dsn: str | None, schema: str) -> None:
+    """Cancel a queued job."""
+    ok = _with_queue(dsn, schema, lambda q: q.cancel(job_id))
+    if not ok:
+        _fail(f"job {job_id} is not queued (unknown, running or finished): nothing cancelled")
+    click.echo(f"cancelled job {job_id}")
+
+
+@main.command()
+@click.option("--jobs", type=click.IntRange(min=1, max=1_000_000), default=3000,
+              show_default=True)
+@click.option("--workers", type=click.IntRange(min=1, max=16), default=2, show_default=True)
+@click.option("--dsn", default=None, metavar="DSN",
+              help="PostgreSQL DSN; else $ASYNCJOBQ_DSN; else the embedded server.")
+@_guard
+def demo(jobs: int, workers: int, dsn: str | None) -> None:
+    """End to end: install, enqueue, run workers with a progress bar, print the outcomes."""
+    from .demo import run_demo
+
+    run_demo(dsn, jobs=jobs, workers=workers)
+
+
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
+
+

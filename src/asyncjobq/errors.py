@@ -1,0 +1,43 @@
+"""Errors a user can meet. Each message says what to do, as psycopg's do."""
+
+from __future__ import annotations
+
+
+class AsyncJobQError(Exception):
+    """Base class of every error asyncjobq raises on purpose."""
+
+
+class ConfigurationError(AsyncJobQError, ValueError):
+    """A bad argument or setting: a schema name, a concurrency, a payload."""
+
+
+class InvalidPayloadError(ConfigurationError):
+    """A payload that is not a JSON object."""
+
+
+class EmbeddedUnavailableError(AsyncJobQError):
+    """No DSN was given and the embedded PostgreSQL (pgserver) is not installed or failed."""
+
+
+class DatabaseUnavailableError(AsyncJobQError):
+    """PostgreSQL could not be reached with the DSN in use."""
+
+
+class SchemaNotInstalledError(AsyncJobQError):
+    """The queue schema does not exist yet."""
+
+
+class SchemaVersionError(AsyncJobQError):
+    """The schema was installed by a newer asyncjobq than this one."""
+
+
+class QueueClosedError(AsyncJobQError):
+    """The Queue's pool is not open."""
+
+
+class UnknownTaskError(AsyncJobQError):
+    """A task name that no handler is registered for."""
+
+
+class AppImportError(AsyncJobQError):
+    """The worker's APP (module:attribute) cannot be imported or is not a Queue."""

@@ -1,0 +1,145 @@
+"""Claims batches of due jobs, sized to the free handler slots, and waits well when idle.
+
+After a full batch it claims again at once; after a short one it sleeps until a notification,
+the earliest known due run_at, or poll_interval (the safety net for lost notifications).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from .job import Job
+from .queue import Queue
+
+log = logging.getLogger("asyncjobq.worker")
+
+
+class Wakeup:
+    """A resettable event with an optional alarm time."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self._alarm: float | None = None  # monotonic time
+
+    def set(self) -> None:
+        self._event.set()
+
+    def at(self, when: float) -> None:
+        """Wake at monotonic time `when` (or earlier if already due sooner)."""
+        if self._alarm is None or when < self._alarm:
+            self._alarm = when
+
+    async def wait(self, timeout: float) -> None:
+        now = time.monotonic()
+        if self._alarm is not None:
+            timeout = min(timeout, max(0.0, self._alarm - now))
+        with anyio.move_on_after(timeout):
+            await self._event.wait()
+        if self._alarm is not None and self._alarm <= time.monotonic():
+            self._alarm = None
+        self._event = anyio.Event()
+
+
+class Fetcher:
+    def __init__(
+        self,
+        queue: Queue,
+        worker_id: str,
+        queues: Sequence[str],
+        *,
+        batch_size: int,
+        concurrency: int,
+        poll_interval: float,
+        free_slots: Callable[[], int],
+        dispatch: Callable[[Job], None],
+    ) -> None:
+        self._queue = queue
+        self._worker_id = worker_id
+        self._queues = list(queues)
+        self._batch_size = batch_size
+        self._concurrency = concurrency
+        self._poll_interval = poll_interval
+        self._free_slots = free_slots
+        self._dispatch = dispatch
+        self.wakeup = Wakeup()
+        self.slot_freed = anyio.Event()
+        self.stopping = False
+        self.claimed = 0
+
+    def serves(self, queue: str) -> bool:
+        return queue in self._queues
+
+    def notify(self, queue: str | None, run_at_epoch: float | None) -> None:
+        """A notification (or a local retry) says `queue` (None: any) has a job due then."""
+        if queue is not None and queue not in self._queues:
+            return
+        if run_at_epoch is None:
+            self.wakeup.set()
+            return
+        delay = run_at_epoch - time.time()
+        if delay <= 0:
+            self.wakeup.set()
+        else:
+            self.wakeup.at(time.monotonic() + delay)
+
+    def release_slot(self) -> None:
+        self.slot_freed.set()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wakeup.set()
+        self.slot_freed.set()
+
+    async def claim(self, limit: int) -> list[Job]:
+        st = self._queue.sql
+        if len(self._queues) == 1:
+            query = st.job_claim_one_queue
+            params: dict[str, object] = {"queue": self._queues[0]}
+        else:
+            query = st.job_claim
+            params = {"queues": self._queues}
+        params.update(worker=self._worker_id, limit=limit)
+        async with self._queue.connection() as conn:
+            cur = await conn.execute(query, params)
+            rows = await cur.fetchall()
+        jobs = [
+            Job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4], attempt=r[5],
+                max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id)
+            for r in rows
+        ]
+        # RETURNING order is the update's, not the claim's: hand jobs out in claim order.
+        jobs.sort(key=lambda j: (-j.priority, j.run_at, j.id))
+        return jobs
+
+    async def run(self) -> None:
+        backoff = 0.1
+        while not self.stopping:
+            free = self._free_slots()
+            if free <= 0:
+                await self.slot_freed.wait()
+                self.slot_freed = anyio.Event()
+                continue
+            limit = min(self._batch_size, free)
+            try:
+                jobs = await self.claim(limit)
+                backoff = 0.1
+            except (psycopg.OperationalError, PoolTimeout) as e:
+                log.warning("claiming jobs failed (%s); retrying in %.1f s",
+                            str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+                            backoff)
+                await self.wakeup.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            # Even when stop() came during the claim, these jobs are ours now: dispatch them so
+            # that shutdown finishes or releases them like any other.
+            for job in jobs:
+                self._dispatch(job)
+            self.claimed += len(jobs)
+            if len(jobs) < limit and not self.stopping:
+                await self.wakeup.wait(self._poll_interval)

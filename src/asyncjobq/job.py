@@ -1,0 +1,62 @@
+"""What handlers see (Job), what `get` returns (JobInfo), and what handlers may raise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+STATUSES: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One claimed attempt of a job, handed to its handler."""
+
+    id: int
+    task: str
+    queue: str
+    payload: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    priority: int
+    run_at: datetime
+    created_at: datetime
+    worker: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job's row as `Queue.get` reads it, from the live table or the history."""
+
+    id: int
+    task: str
+    queue: str
+    status: JobStatus
+    attempts: int
+    max_attempts: int
+    priority: int
+    run_at: datetime
+    last_error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    payload: dict[str, Any]
+
+
+class Retry(Exception):  # noqa: N818 - a control-flow signal, named for what the handler asks
+    """Raise in a handler to run the job again after `delay` seconds, not counted as an error."""
+
+    def __init__(self, delay: float = 0.0, reason: str | None = None) -> None:
+        if delay < 0:
+            raise ValueError(f"Retry(delay={delay!r}): delay must be >= 0 seconds")
+        super().__init__(reason or f"retry in {delay} s")
+        self.delay = float(delay)
+
+
+class Fail(Exception):  # noqa: N818
+    """Raise in a handler to fail the job at once, with no further attempts."""
+
+    def __init__(self, reason: str = "failed by handler") -> None:
+        super().__init__(reason)
+        self.reason = reason

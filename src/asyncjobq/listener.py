@@ -1,0 +1,84 @@
+"""The one LISTEN connection: wakes the fetcher on notifications, reconnects with backoff.
+
+Every (re)connection also wakes the fetcher, since notifications sent while the connection was
+down are lost. A quiet connection is probed every `keepalive` seconds so that a silently dead
+one is noticed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+
+import anyio
+import psycopg
+from psycopg import AsyncConnection, sql
+
+from .dsn import redact
+
+log = logging.getLogger("asyncjobq.worker")
+
+
+class Listener:
+    def __init__(
+        self,
+        dsn: str,
+        channel: str,
+        on_notify: Callable[[str | None, float | None], None],
+        on_connect: Callable[[], None],
+        *,
+        keepalive: float = 10.0,
+    ) -> None:
+        self._dsn = dsn
+        self._channel = channel
+        self._on_notify = on_notify
+        self._on_connect = on_connect
+        self._keepalive = keepalive
+        self.connected = anyio.Event()
+        self.connects = 0
+        self.backend_pid: int | None = None
+
+    async def run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self._listen()
+            except (psycopg.OperationalError, psycopg.InterfaceError, OSError) as e:
+                self.backend_pid = None
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                log.warning("LISTEN connection to %s lost (%s); reconnecting in %.1f s",
+                            redact(self._dsn), reason, backoff)
+                await anyio.sleep(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+
+    async def _listen(self) -> None:
+        conn = await AsyncConnection.connect(self._dsn, autocommit=True, connect_timeout=10)
+        try:
+            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            self.backend_pid = conn.info.backend_pid
+            self.connects += 1
+            if self.connects > 1:
+                log.info("LISTEN connection re-established")
+            self.connected.set()
+            self._on_connect()
+            while True:
+                async for n in conn.notifies(timeout=self._keepalive):
+                    self._dispatch(n.payload)
+                await conn.execute("SELECT 1")
+        finally:
+            await conn.close()
+
+    def _dispatch(self, payload: str) -> None:
+        try:
+            msg = json.loads(payload)
+            queue = str(msg["queue"])
+            run_at = msg.get("run_at")
+            self._on_notify(queue, float(run_at) if run_at is not None else None)
+        except (ValueError, KeyError, TypeError):
+            # Someone NOTIFYed our channel by hand: treat it as "something may be due".
+            log.debug("unrecognised notification payload %r; waking anyway", payload[:200])
+            self._on_notify(None, None)

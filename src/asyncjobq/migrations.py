@@ -1,0 +1,98 @@
+"""Numbered migrations from sql/, applied in order under an advisory lock."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from .errors import SchemaNotInstalledError, SchemaVersionError
+from .sql import statements
+
+_NAME_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+
+def _sql_dir() -> Path:
+    # In a wheel, sql/ is packaged as asyncjobq/sql; in a source checkout it sits at the root.
+    packaged = Path(str(resources.files("asyncjobq"))) / "sql"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "sql"
+
+
+def available() -> list[Migration]:
+    found = []
+    for path in sorted(_sql_dir().glob("*.sql")):
+        m = _NAME_RE.match(path.name)
+        if m:
+            found.append(Migration(int(m.group(1)), m.group(2), path.read_text()))
+    return found
+
+
+def latest_version() -> int:
+    return max(m.version for m in available())
+
+
+async def apply(conn: psycopg.AsyncConnection[object], schema: str) -> list[int]:
+    """Apply the missing migrations in one transaction; returns the versions applied.
+
+    The advisory lock serialises concurrent installs (CREATE SCHEMA IF NOT EXISTS alone races).
+    """
+    st = statements(schema)
+    applied: list[int] = []
+    async with conn.transaction():
+        await conn.execute(st.install_lock)
+        await conn.execute(st.schema_create)
+        await conn.execute(st.migrations_table_create)
+        cur = await conn.execute(st.migration_versions)
+        done = {int(v) for (v,) in await cur.fetchall()}  # type: ignore[call-overload]
+        newest = latest_version()
+        if done and max(done) > newest:
+            raise SchemaVersionError(
+                f"schema {schema} is at version {max(done)}, newer than this asyncjobq "
+                f"(knows up to {newest}): upgrade asyncjobq (pip install -U asyncjobq)"
+            )
+        await conn.execute(st.search_path_set_local)
+        for m in available():
+            if m.version in done:
+                continue
+            await conn.execute(sql.SQL(m.text))  # type: ignore[arg-type]
+            await conn.execute(st.migration_record, (m.version, m.name))
+            applied.append(m.version)
+    return applied
+
+
+async def check(conn: psycopg.AsyncConnection[object], schema: str) -> None:
+    """Raise unless the schema is installed at exactly the versions this code knows."""
+    st = statements(schema)
+    cur = await conn.execute(st.migrations_table_exists)
+    row = await cur.fetchone()
+    if not row or not row[0]:  # type: ignore[index]
+        raise SchemaNotInstalledError(
+            f"schema {schema} is not installed: run `python -m asyncjobq install` "
+            "(or `await queue.install()`)"
+        )
+    cur = await conn.execute(st.migration_versions)
+    done = {int(v) for (v,) in await cur.fetchall()}  # type: ignore[call-overload]
+    newest = latest_version()
+    if done and max(done) > newest:
+        raise SchemaVersionError(
+            f"schema {schema} is at version {max(done)}, newer than this asyncjobq "
+            f"(knows up to {newest}): upgrade asyncjobq (pip install -U asyncjobq)"
+        )
+    missing = [m.version for m in available() if m.version not in done]
+    if missing:
+        raise SchemaNotInstalledError(
+            f"schema {schema} lacks migrations {missing}: run `python -m asyncjobq install`"
+        )

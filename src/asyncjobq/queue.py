@@ -1,0 +1,417 @@
+"""The public Queue: task registry, enqueue, and the admin calls (get, stats, retry, cancel)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from . import migrations
+from .dsn import redact, resolve_dsn, validate_schema
+from .errors import (
+    ConfigurationError,
+    DatabaseUnavailableError,
+    InvalidPayloadError,
+    QueueClosedError,
+    SchemaNotInstalledError,
+)
+from .job import STATUSES, JobInfo
+from .sql import Statements, statements
+from .task import Backoff, Handler, Task
+
+Conn = AsyncConnection[Any]
+
+
+class Queue:
+    """A job queue in one PostgreSQL schema. Open it (`async with queue:`) before use."""
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str = "asyncjobq",
+        pool_min_size: int = 1,
+        pool_max_size: int = 10,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.schema = validate_schema(schema)
+        if pool_min_size < 0 or pool_max_size < max(1, pool_min_size):
+            raise ConfigurationError(
+                f"pool sizes min={pool_min_size} max={pool_max_size} are invalid: "
+                "use 0 <= pool_min_size <= pool_max_size and pool_max_size >= 1"
+            )
+        self._dsn_arg = dsn
+        self._dsn: str | None = None
+        self._pool_sizes = (pool_min_size, pool_max_size)
+        self._connect_timeout = connect_timeout
+        self._pool: AsyncConnectionPool[Conn] | None = None
+        self.tasks: dict[str, Task] = {}
+        self.sql: Statements = statements(self.schema)
+
+    def __repr__(self) -> str:
+        where = redact(self._dsn) if self._dsn else (self._dsn_arg and redact(self._dsn_arg))
+        return f"<asyncjobq.Queue schema={self.schema!r} dsn={where or 'unresolved'!r}>"
+
+    @property
+    def channel(self) -> str:
+        """The NOTIFY channel the jobs table's insert trigger signals."""
+        return f"{self.schema}_jobs"
+
+    @property
+    def dsn(self) -> str:
+        """The DSN in use (resolved on first use: argument, $ASYNCJOBQ_DSN, embedded)."""
+        if self._dsn is None:
+            self._dsn = resolve_dsn(self._dsn_arg)
+        return self._dsn
+
+    def set_dsn(self, dsn: str | None) -> None:
+        """Point a not-yet-opened queue at another database (the CLI's --dsn does this)."""
+        if self._pool is not None:
+            raise ConfigurationError("set_dsn() on an open queue: close it first")
+        self._dsn_arg = dsn
+        self._dsn = None
+
+    # --- task registry ---------------------------------------------------------------------
+
+    def task(
+        self,
+        name: str | None = None,
+        *,
+        queue: str = "default",
+        max_attempts: int = 3,
+        timeout: float | None = None,
+        priority: int = 0,
+        backoff: Backoff | None = None,
+    ) -> Callable[[Handler], Task]:
+        """Register a handler: `@queue.task()` above `async def` (or plain `def`, run in a thread)."""
+        _check_queue_name(queue)
+        _check_max_attempts(max_attempts)
+        _check_int("priority", priority)
+        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+            raise ConfigurationError(f"timeout={timeout!r}: use a number of seconds > 0, or None")
+
+        def register(fn: Handler) -> Task:
+            task_name = name or f"{fn.__module__}.{fn.__qualname__}"
+            _check_task_name(task_name)
+            if task_name in self.tasks:
+                raise ConfigurationError(
+                    f"task {task_name!r} is registered twice: give one of them another name="
+                )
+            t = Task(self, task_name, fn, queue, max_attempts, timeout, priority, backoff)
+            self.tasks[task_name] = t
+            return t
+
+        return register
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._pool is not None:
+            return
+        dsn = self.dsn
+        # One direct attempt first: an unreachable server fails in seconds with the driver's
+        # reason, instead of a pool timeout that hides it.
+        try:
+            probe = await AsyncConnection.connect(dsn, connect_timeout=int(self._connect_timeout))
+            await probe.close()
+        except psycopg.OperationalError as e:
+            raise DatabaseUnavailableError(
+                f"cannot connect to PostgreSQL at {redact(dsn)}: {_first_line(e)}; check that "
+                "the server is running and the DSN is right (--dsn or $ASYNCJOBQ_DSN)"
+            ) from None
+        lo, hi = self._pool_sizes
+        pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+            dsn,
+            min_size=lo,
+            max_size=hi,
+            kwargs={"autocommit": True},
+            open=False,
+            check=AsyncConnectionPool.check_connection,
+            name=f"asyncjobq-{self.schema}",
+            timeout=30.0,
+            reconnect_timeout=0,  # keep trying forever: a restarted database comes back
+        )
+        try:
+            await pool.open(wait=True, timeout=self._connect_timeout)
+        except PoolTimeout:
+            await pool.close()
+            raise DatabaseUnavailableError(
+                f"cannot open {lo} connection(s) to {redact(dsn)} within "
+                f"{self._connect_timeout} s: check max_connections and the server's load"
+            ) from None
+        self._pool = pool
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    async def __aenter__(self) -> Queue:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    def pool(self) -> AsyncConnectionPool[Conn]:
+        if self._pool is None:
+            raise QueueClosedError(
+                "the queue is not open: use `async with queue:` or `await queue.open()` first"
+            )
+        return self._pool
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[Conn]:
+        """A pooled autocommit connection (for handlers and admin work)."""
+        async with self.pool.connection() as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def _conn(self, conn: Conn | None) -> AsyncIterator[Conn]:
+        with self.translate_errors():
+            if conn is not None:
+                yield conn
+            else:
+                async with self.pool.connection() as c:
+                    yield c
+
+    @contextmanager
+    def translate_errors(self) -> Iterator[None]:
+        """Turn 'schema or table missing' into an error that says to run install."""
+        try:
+            yield
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName,
+                psycopg.errors.UndefinedObject) as e:
+            raise SchemaNotInstalledError(
+                f"schema {self.schema} is not installed ({_first_line(e)}): run "
+                "`python -m asyncjobq install` (or `await queue.install()`)"
+            ) from None
+
+    # --- install ---------------------------------------------------------------------------
+
+    async def install(self) -> list[int]:
+        """Apply the sql/ migrations not yet applied; returns their versions. Idempotent."""
+        async with self.pool.connection() as conn:
+            return await migrations.apply(conn, self.schema)
+
+    # --- enqueue ---------------------------------------------------------------------------
+
+    async def enqueue(
+        self,
+        task: str | Task,
+        payload: dict[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        dedup_key: str | None = None,
+        conn: Conn | None = None,
+    ) -> int:
+        """Add one job; returns its id (the existing job's id for a live duplicate dedup_key).
+
+        With `conn=`, the job is written in that connection's transaction: it exists, and wakes
+        workers, only if that transaction commits.
+        """
+        name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
+        body = _encode_payload(payload)
+        when, secs = _schedule(run_at, delay)
+        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
+            raise ConfigurationError(f"dedup_key={dedup_key!r}: use a non-empty string, or None")
+        async with self._conn(conn) as c:
+            cur = await c.execute(
+                self.sql.job_insert, (name, body, q, prio, when, secs, attempts, dedup_key)
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
+    async def enqueue_many(
+        self,
+        task: str | Task,
+        payloads: Sequence[dict[str, Any]],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        conn: Conn | None = None,
+    ) -> list[int]:
+        """Add many jobs of one task in a single statement; returns their ids in order."""
+        name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
+        if isinstance(payloads, dict | str | bytes):
+            raise InvalidPayloadError(
+                "enqueue_many takes a list of payload dicts: wrap a single payload in a list, "
+                "or call enqueue()"
+            )
+        bodies = [_encode_payload(p, index=i) for i, p in enumerate(payloads)]
+        if not bodies:
+            return []
+        when, secs = _schedule(run_at, delay)
+        async with self._conn(conn) as c:
+            cur = await c.execute(
+                self.sql.job_insert_many, (name, q, prio, when, secs, attempts, bodies)
+            )
+            return [int(r[0]) for r in await cur.fetchall()]
+
+    def _defaults(
+        self, task: str | Task, queue: str | None, priority: int | None, max_attempts: int | None
+    ) -> tuple[str, str, int, int]:
+        t = task if isinstance(task, Task) else None
+        if t is None:
+            if not isinstance(task, str):
+                raise ConfigurationError(
+                    f"task={task!r}: pass the task's name (a string) or the Task object"
+                )
+            _check_task_name(task)
+            t = self.tasks.get(task)
+        name = t.name if t else str(task)
+        q = queue if queue is not None else (t.queue if t else "default")
+        prio = priority if priority is not None else (t.priority if t else 0)
+        attempts = max_attempts if max_attempts is not None else (t.max_attempts if t else 3)
+        _check_queue_name(q)
+        _check_int("priority", prio)
+        _check_max_attempts(attempts)
+        return name, q, prio, attempts
+
+    # --- admin -----------------------------------------------------------------------------
+
+    async def get(self, job_id: int) -> JobInfo | None:
+        """The job's current row, from the live table or the history; None if unknown."""
+        _check_int("job_id", job_id)
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.job_get_by_id, {"id": job_id})
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        return JobInfo(*row)
+
+    async def stats(self) -> dict[str, dict[str, int]]:
+        """{queue: {status: count}} with all five statuses for every queue seen."""
+        out: dict[str, dict[str, int]] = {}
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.job_count_by_queue_status)
+            for queue, status, n in await cur.fetchall():
+                counts = out.setdefault(queue, dict.fromkeys(STATUSES, 0))
+                counts[status] += int(n)
+        return out
+
+    async def retry_failed(
+        self, queue: str | None = None, task: str | None = None, error_like: str | None = None
+    ) -> int:
+        """Requeue dead-lettered (failed) jobs, attempts reset; returns how many."""
+        async with self._conn(None) as c:
+            cur = await c.execute(
+                self.sql.job_retry_failed,
+                {"queue": queue, "task": task, "error_like": error_like, "channel": self.channel},
+            )
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async def health(self, lease: float = 30.0) -> dict[str, dict[str, float | int | None]]:
+        """Per queue: age in seconds of the oldest due queued job, running jobs not heartbeated
+        for `lease` seconds, and jobs finished in the last minute."""
+        out: dict[str, dict[str, float | int | None]] = {}
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.queue_health, (lease,))
+            for queue, oldest, stale, recent in await cur.fetchall():
+                out[queue] = {
+                    "oldest_queued_age_s": None if oldest is None else round(float(oldest), 3),
+                    "stale_running": int(stale),
+                    "done_last_minute": int(recent),
+                }
+        return out
+
+    async def cancel(self, job_id: int) -> bool:
+        """Cancel a queued job; False if it is not queued (running, finished or unknown)."""
+        _check_int("job_id", job_id)
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.job_cancel, (job_id,))
+            return await cur.fetchone() is not None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _encode_payload(payload: object, index: int | None = None) -> str:
+    where = "payload" if index is None else f"payloads[{index}]"
+    if payload is None:
+        payload = {}
+    if not isinstance(payload, dict):
+        raise InvalidPayloadError(
+            f"{where} must be a dict (a JSON object), got {type(payload).__name__}: "
+            "wrap the value, e.g. {'value': ...}"
+        )
+    try:
+        return json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise InvalidPayloadError(
+            f"{where} is not JSON-serialisable ({e}): pass only dicts, lists, str, int, "
+            "finite float, bool and None (convert dates, Decimals and objects first)"
+        ) from None
+
+
+def _schedule(run_at: datetime | None, delay: float | timedelta | None) -> tuple[datetime | None, float]:
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise ConfigurationError(f"run_at={run_at!r}: pass a datetime with a timezone")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise ConfigurationError(
+                f"run_at={run_at!r} has no timezone: use e.g. datetime.now(timezone.utc)"
+            )
+    secs = 0.0
+    if delay is not None:
+        secs = delay.total_seconds() if isinstance(delay, timedelta) else delay
+        if isinstance(secs, bool) or not isinstance(secs, int | float) or not math.isfinite(secs) \
+                or secs < 0:
+            raise ConfigurationError(f"delay={delay!r}: use seconds >= 0 or a timedelta")
+    return run_at, float(secs)
+
+
+def _check_int(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**31) <= value < 2**31:
+        if what == "job_id" and isinstance(value, int) and not isinstance(value, bool):
+            return
+        raise ConfigurationError(f"{what}={value!r}: use a 32-bit integer")
+
+
+def _check_max_attempts(value: object) -> None:
+    _check_int("max_attempts", value)
+    assert isinstance(value, int)
+    if value < 1:
+        raise ConfigurationError(f"max_attempts={value!r}: use 1 or more")
+
+
+def _check_name(what: str, value: object, example: str) -> None:
+    if not isinstance(value, str) or not value or len(value) > 200 or "\x00" in value:
+        raise ConfigurationError(
+            f"{what} {value!r} is invalid: use a non-empty string of at most 200 characters "
+            f"without NUL (e.g. {example!r})"
+        )
+
+
+def _check_queue_name(value: object) -> None:
+    _check_name("queue", value, "default")
+
+
+def _check_task_name(value: object) -> None:
+    _check_name("task", value, "send_email")

@@ -1,0 +1,288 @@
+"""Every SQL statement asyncjobq runs, named for what it does (River's style).
+
+Statements are composed with psycopg.sql; the schema is always an Identifier and user data is
+always a bound parameter. `Statements(schema)` builds the set once per schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from psycopg import sql
+
+# Columns returned to the worker by a claim, in this order (see fetcher.ClaimedJob).
+CLAIM_COLUMNS = "id, task, queue, payload, priority, attempts, max_attempts, run_at, created_at"
+# Columns of JobInfo, in this order.
+INFO_COLUMNS = (
+    "id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "
+    "created_at, finished_at, payload"
+)
+# Columns shared by jobs and jobs_history, for moving a finished row.
+HISTORY_COLUMNS = (
+    "id, queue, task, payload, status, priority, run_at, attempts, max_attempts, "
+    "dedup_key, locked_by, last_error, created_at, finished_at"
+)
+
+
+def _q(template: str, schema: str) -> sql.Composed:
+    """Fill `{s}` with the schema identifier; everything else in the template is literal SQL."""
+    return sql.SQL(template).format(s=sql.Identifier(schema))
+
+
+@dataclass(frozen=True)
+class Statements:
+    schema: str
+
+    # --- install / migrations -------------------------------------------------------------
+
+    @property
+    def install_lock(self) -> sql.Composed:
+        return sql.SQL("SELECT pg_advisory_xact_lock(hashtext({}))").format(
+            sql.Literal(f"asyncjobq.install.{self.schema}")
+        )
+
+    @property
+    def schema_create(self) -> sql.Composed:
+        return _q("CREATE SCHEMA IF NOT EXISTS {s}", self.schema)
+
+    @property
+    def search_path_set_local(self) -> sql.Composed:
+        return _q("SET LOCAL search_path TO {s}", self.schema)
+
+    @property
+    def migrations_table_create(self) -> sql.Composed:
+        return _q(
+            "CREATE TABLE IF NOT EXISTS {s}.migrations ("
+            " version int PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())",
+            self.schema,
+        )
+
+    @property
+    def migration_versions(self) -> sql.Composed:
+        return _q("SELECT version FROM {s}.migrations ORDER BY version", self.schema)
+
+    @property
+    def migration_record(self) -> sql.Composed:
+        return _q("INSERT INTO {s}.migrations (version, name) VALUES (%s, %s)", self.schema)
+
+    # --- enqueue ---------------------------------------------------------------------------
+
+    @property
+    def job_insert(self) -> sql.Composed:
+        # DO UPDATE (a no-op write) rather than DO NOTHING so that a duplicate dedup_key returns
+        # the existing job's id in the same statement, race-free.
+        return _q(
+            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts, dedup_key)"
+            " VALUES (%s, %s, %s, %s, coalesce(%s, now()) + make_interval(secs => %s), %s, %s)"
+            " ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL"
+            "   AND status IN ('queued', 'running')"
+            " DO UPDATE SET dedup_key = EXCLUDED.dedup_key"
+            " RETURNING id",
+            self.schema,
+        )
+
+    @property
+    def job_insert_many(self) -> sql.Composed:
+        # One statement for any number of payloads: the arrays travel as binary parameters.
+        return _q(
+            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts)"
+            " SELECT %s, p, %s, %s, coalesce(%s, now()) + make_interval(secs => %s), %s"
+            " FROM unnest(%s::jsonb[]) WITH ORDINALITY AS t(p, n) ORDER BY n"
+            " RETURNING id",
+            self.schema,
+        )
+
+    # --- read / admin ----------------------------------------------------------------------
+
+    @property
+    def job_get_by_id(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT {c} FROM {s}.jobs WHERE id = %(id)s"
+            " UNION ALL SELECT {c} FROM {s}.jobs_history WHERE id = %(id)s LIMIT 1"
+        ).format(c=sql.SQL(INFO_COLUMNS), s=sql.Identifier(self.schema))
+
+    @property
+    def job_count_by_queue_status(self) -> sql.Composed:
+        return _q(
+            "SELECT queue, status::text, count(*) FROM {s}.jobs GROUP BY 1, 2"
+            " UNION ALL"
+            " SELECT queue, status::text, count(*) FROM {s}.jobs_history GROUP BY 1, 2",
+            self.schema,
+        )
+
+    @property
+    def queue_health(self) -> sql.Composed:
+        # For `status`: oldest due queued job, stale running rows, completions in the last minute.
+        return _q(
+            "SELECT q.queue,"
+            " (SELECT extract(epoch FROM now() - min(j.run_at)) FROM {s}.jobs j"
+            "   WHERE j.queue = q.queue AND j.status = 'queued' AND j.run_at <= now()),"
+            " (SELECT count(*) FROM {s}.jobs j WHERE j.queue = q.queue AND j.status = 'running'"
+            "   AND j.locked_at < now() - make_interval(secs => %s)),"
+            " (SELECT count(*) FROM {s}.jobs_history h WHERE h.queue = q.queue"
+            "   AND h.finished_at > now() - interval '1 minute')"
+            " FROM (SELECT DISTINCT queue FROM {s}.jobs"
+            "       UNION SELECT DISTINCT queue FROM {s}.jobs_history"
+            "       WHERE finished_at > now() - interval '1 minute') q",
+            self.schema,
+        )
+
+    @property
+    def job_retry_failed(self) -> sql.Composed:
+        # A failed job whose dedup_key is held by a live job stays failed: requeueing it would
+        # break the one-live-job-per-key rule.
+        return _q(
+            "WITH requeued AS ("
+            " UPDATE {s}.jobs j SET status = 'queued', attempts = 0, run_at = now(),"
+            "   finished_at = NULL"
+            " WHERE j.status = 'failed'"
+            "   AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)"
+            "   AND (%(task)s::text IS NULL OR j.task = %(task)s)"
+            "   AND (%(error_like)s::text IS NULL OR j.last_error LIKE %(error_like)s)"
+            "   AND (j.dedup_key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.jobs o"
+            "        WHERE o.dedup_key = j.dedup_key AND o.status IN ('queued', 'running')))"
+            " RETURNING j.queue)"
+            " SELECT (SELECT count(*) FROM requeued),"
+            " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
+            "   'queue', queue, 'run_at', extract(epoch FROM now()))::text)"
+            "   FROM (SELECT DISTINCT queue FROM requeued) d) n)",
+            self.schema,
+        )
+
+    @property
+    def job_cancel(self) -> sql.Composed:
+        return sql.SQL(
+            "WITH cancelled AS ("
+            " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *)"
+            " INSERT INTO {s}.jobs_history ({h})"
+            " SELECT id, queue, task, payload, 'cancelled', priority, run_at, attempts,"
+            "   max_attempts, dedup_key, locked_by, last_error, created_at, now()"
+            " FROM cancelled RETURNING id"
+        ).format(s=sql.Identifier(self.schema), h=sql.SQL(HISTORY_COLUMNS))
+
+    # --- worker: claim, complete, heartbeat, release, reap ---------------------------------
+
+    @property
+    def job_claim(self) -> sql.Composed:
+        # One statement: lock the next due rows (skipping rows other workers hold) and mark
+        # them running. FOR NO KEY UPDATE does not block foreign-key inserts into child tables.
+        return sql.SQL(
+            "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
+            "   locked_at = now(), attempts = attempts + 1"
+            " WHERE id IN (SELECT id FROM {s}.jobs"
+            "   WHERE queue = ANY(%(queues)s) AND status = 'queued' AND run_at <= now()"
+            "   ORDER BY priority DESC, run_at, id LIMIT %(limit)s"
+            "   FOR NO KEY UPDATE SKIP LOCKED)"
+            " RETURNING {c}"
+        ).format(s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS))
+
+    @property
+    def job_claim_one_queue(self) -> sql.Composed:
+        # Equality on queue lets the planner read jobs_dequeue_idx in ORDER BY order; ANY()
+        # over several queues needs a sort.
+        return sql.SQL(
+            "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
+            "   locked_at = now(), attempts = attempts + 1"
+            " WHERE id IN (SELECT id FROM {s}.jobs"
+            "   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now()"
+            "   ORDER BY priority DESC, run_at, id LIMIT %(limit)s"
+            "   FOR NO KEY UPDATE SKIP LOCKED)"
+            " RETURNING {c}"
+        ).format(s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS))
+
+    @property
+    def job_set_outcome_if_running_many(self) -> sql.Composed:
+        # One statement per flush for every outcome kind. Each row is fenced on
+        # (status, locked_by, attempts): a worker presumed dead cannot overwrite a newer
+        # attempt. `done` rows move to jobs_history; the rest are updated in place.
+        # Returns the ids that were accepted; the caller logs the refused ones.
+        return sql.SQL(
+            "WITH o AS ("
+            "  SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(kinds)s::text[],"
+            "    %(delays)s::float8[], %(errors)s::text[]) AS o(id, attempt, kind, delay, error)),"
+            " finished AS ("
+            "  DELETE FROM {s}.jobs j USING o"
+            "  WHERE j.id = o.id AND o.kind = 'done' AND j.status = 'running'"
+            "    AND j.locked_by = %(worker)s AND j.attempts = o.attempt"
+            "  RETURNING j.*),"
+            " archived AS ("
+            "  INSERT INTO {s}.jobs_history ({h})"
+            "  SELECT id, queue, task, payload, 'done', priority, run_at, attempts,"
+            "    max_attempts, dedup_key, locked_by, last_error, created_at, now()"
+            "  FROM finished RETURNING id),"
+            " updated AS ("
+            "  UPDATE {s}.jobs j SET"
+            "    status = CASE WHEN o.kind = 'failed' THEN 'failed' ELSE 'queued' END::{s}.job_status,"
+            "    run_at = CASE WHEN o.kind = 'failed' THEN j.run_at"
+            "                  ELSE now() + make_interval(secs => o.delay) END,"
+            "    max_attempts = j.max_attempts + CASE WHEN o.kind = 'snooze' THEN 1 ELSE 0 END,"
+            "    last_error = CASE WHEN o.error IS NULL THEN j.last_error"
+            "                      ELSE right(concat_ws(E'\\n', j.last_error, o.error), 8000) END,"
+            "    finished_at = CASE WHEN o.kind = 'failed' THEN now() END,"
+            "    locked_by = NULL, locked_at = NULL"
+            "  FROM o"
+            "  WHERE j.id = o.id AND o.kind <> 'done' AND j.status = 'running'"
+            "    AND j.locked_by = %(worker)s AND j.attempts = o.attempt"
+            "  RETURNING j.id)"
+            " SELECT id FROM archived UNION ALL SELECT id FROM updated"
+        ).format(s=sql.Identifier(self.schema), h=sql.SQL(HISTORY_COLUMNS))
+
+    @property
+    def job_heartbeat_many(self) -> sql.Composed:
+        # Returns the ids this worker still holds; a missing id means its lease was lost.
+        return _q(
+            "UPDATE {s}.jobs SET locked_at = now()"
+            " WHERE id = ANY(%(ids)s) AND status = 'running' AND locked_by = %(worker)s"
+            " RETURNING id",
+            self.schema,
+        )
+
+    @property
+    def queue_notify(self) -> sql.SQL:
+        # Wake workers of a queue explicitly (requeued by the reaper, not by an INSERT).
+        return sql.SQL(
+            "SELECT pg_notify(%(channel)s, json_build_object("
+            "'queue', %(queue)s::text, 'run_at', extract(epoch FROM now()))::text)"
+        )
+
+    @property
+    def reaper_try_lock(self) -> sql.Composed:
+        return sql.SQL("SELECT pg_try_advisory_xact_lock(hashtext({}))").format(
+            sql.Literal(f"asyncjobq.reaper.{self.schema}")
+        )
+
+    @property
+    def job_reap_stuck(self) -> sql.Composed:
+        # Running rows whose holder stopped heartbeating for longer than the lease: requeue,
+        # or fail once the attempts are spent (a job that keeps killing workers is a poison pill).
+        return _q(
+            "WITH stuck AS ("
+            " SELECT id FROM {s}.jobs WHERE status = 'running'"
+            "   AND locked_at < now() - make_interval(secs => %(lease)s)"
+            " ORDER BY locked_at LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED)"
+            " UPDATE {s}.jobs j SET"
+            "   status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed'"
+            "                 ELSE 'queued' END::{s}.job_status,"
+            "   finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,"
+            "   run_at = now(),"
+            "   last_error = right(concat_ws(E'\\n', j.last_error,"
+            "     format('attempt %%s: lease expired, worker %%s stopped heartbeating at %%s',"
+            "            j.attempts, j.locked_by, j.locked_at)), 8000),"
+            "   locked_by = NULL, locked_at = NULL"
+            " FROM stuck WHERE j.id = stuck.id"
+            " RETURNING j.id, j.status::text, j.queue",
+            self.schema,
+        )
+
+    @property
+    def migrations_table_exists(self) -> sql.Composed:
+        return sql.SQL("SELECT to_regclass({}) IS NOT NULL").format(
+            sql.Literal(f'"{self.schema}".migrations')
+        )
+
+
+@cache
+def statements(schema: str) -> Statements:
+    return Statements(schema)

@@ -1,0 +1,223 @@
+"""The worker: one event loop holding a LISTEN connection, a pool, and the parts of DESIGN §4.
+
+    listener -> fetcher -> bounded handler tasks -> completer
+                heartbeat (extends leases)   reaper (requeues stale jobs, one worker at a time)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+
+import anyio
+from anyio.abc import TaskGroup
+
+from . import migrations
+from .completer import Completer
+from .errors import ConfigurationError
+from .executor import RunningJob, execute
+from .fetcher import Fetcher
+from .heartbeat import Heartbeat
+from .job import Job
+from .listener import Listener
+from .outcome import Outcome
+from .queue import Queue, _check_queue_name
+from .reaper import Reaper
+
+log = logging.getLogger("asyncjobq.worker")
+
+
+def _positive(name: str, value: object, *, integer: bool) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:  # type: ignore[operator]
+        kind = "an integer" if integer else "a number of seconds"
+        raise ConfigurationError(f"{name}={value!r}: use {kind} greater than 0")
+
+
+class Worker:
+    """Runs the handlers registered on `queue` for jobs of `queues`."""
+
+    def __init__(
+        self,
+        queue: Queue,
+        queues: Sequence[str] = ("default",),
+        concurrency: int = 20,
+        batch_size: int = 10,
+        lease: float = 30.0,
+        poll_interval: float = 1.0,
+        shutdown_timeout: float = 30.0,
+        name: str | None = None,
+        *,
+        listen: bool = True,
+        flush_interval: float = 0.005,
+        reap_interval: float | None = None,
+    ) -> None:
+        if not isinstance(queue, Queue):
+            raise ConfigurationError(f"Worker needs an asyncjobq.Queue, got {type(queue).__name__}")
+        if isinstance(queues, str):
+            queues = (queues,)
+        if not queues:
+            raise ConfigurationError("queues is empty: name at least one queue, e.g. ('default',)")
+        for q in queues:
+            _check_queue_name(q)
+        _positive("concurrency", concurrency, integer=True)
+        _positive("batch_size", batch_size, integer=True)
+        _positive("lease", lease, integer=False)
+        _positive("poll_interval", poll_interval, integer=False)
+        if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, int | float) \
+                or shutdown_timeout < 0:
+            raise ConfigurationError(
+                f"shutdown_timeout={shutdown_timeout!r}: use a number of seconds >= 0")
+        self.queue = queue
+        self.queues = tuple(dict.fromkeys(queues))
+        self.concurrency = concurrency
+        self.batch_size = batch_size
+        self.lease = float(lease)
+        self.poll_interval = float(poll_interval)
+        self.shutdown_timeout = float(shutdown_timeout)
+        self.listen = listen
+        self.flush_interval = flush_interval
+        self.reap_interval = reap_interval if reap_interval is not None else min(5.0, lease / 2)
+        # locked_by: unique per run, so a restarted worker of the same name is fenced off from
+        # its predecessor's stale attempts.
+        base = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.id = f"{base}-{uuid.uuid4().hex[:8]}"
+        self.name = base
+        self._running: dict[int, RunningJob] = {}
+        self._handlers: TaskGroup | None = None
+        # Events need a running loop; they are made in run(). stop() may come earlier.
+        self._stop_requested = False
+        self._stop: anyio.Event | None = None
+        self.fetcher: Fetcher | None = None
+        self.completer: Completer | None = None
+        self.listener: Listener | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.reaper: Reaper | None = None
+        self.completed = 0
+
+    def __repr__(self) -> str:
+        return f"<asyncjobq.Worker {self.id} queues={list(self.queues)}>"
+
+    # --- control ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the worker to stop: no more claims, running jobs get `shutdown_timeout`."""
+        self._stop_requested = True
+        if self._stop is not None:
+            self._stop.set()
+        if self.fetcher is not None:
+            self.fetcher.stop()
+
+    @property
+    def running_jobs(self) -> list[Job]:
+        return [r.job for r in self._running.values()]
+
+    # --- run -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._stop = anyio.Event()
+        if self._stop_requested:
+            self._stop.set()
+        self._thread_limiter = anyio.CapacityLimiter(self.concurrency)
+        await self.queue.open()
+        async with self.queue.connection() as conn:
+            await migrations.check(conn, self.queue.schema)
+        fetcher = self.fetcher = Fetcher(
+            self.queue, self.id, self.queues, batch_size=self.batch_size,
+            concurrency=self.concurrency, poll_interval=self.poll_interval,
+            free_slots=lambda: self.concurrency - len(self._running), dispatch=self._dispatch)
+        completer = self.completer = Completer(
+            self.queue, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
+            on_written=self._written)
+        heartbeat = self.heartbeat = Heartbeat(
+            self.queue, self.id, lease=self.lease, held_ids=self._held_ids,
+            running_tasks=lambda: [r.job.task for r in self._running.values()],
+            on_lost=self._lease_lost)
+        reaper = self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval)
+        if self._stop_requested:
+            fetcher.stop()
+        log.info("worker %s started: queues=%s concurrency=%d batch=%d lease=%.1fs",
+                 self.id, ",".join(self.queues), self.concurrency, self.batch_size, self.lease)
+        async with anyio.create_task_group() as services:
+            services.start_soon(completer.run)
+            services.start_soon(heartbeat.run)
+            services.start_soon(reaper.run)
+            if self.listen:
+                self.listener = Listener(self.queue.dsn, self.queue.channel, fetcher.notify,
+                                         fetcher.wakeup.set)
+                services.start_soon(self.listener.run)
+            async with anyio.create_task_group() as handlers:
+                self._handlers = handlers
+                handlers.start_soon(self._fetch_then_shutdown, fetcher, completer)
+            services.cancel_scope.cancel()
+        log.info("worker %s stopped: %d job(s) completed, %d outcome(s) refused", self.id,
+                 self.completed, completer.refused)
+
+    async def _fetch_then_shutdown(self, fetcher: Fetcher, completer: Completer) -> None:
+        assert self._stop is not None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetcher.run)
+            await self._stop.wait()
+            fetcher.stop()
+        # Fetcher has returned: nothing new is claimed. Let running handlers finish...
+        deadline = time.monotonic() + self.shutdown_timeout
+        if self._running:
+            log.info("stopping: waiting up to %.0f s for %d running job(s)",
+                     self.shutdown_timeout, len(self._running))
+        while self._running and time.monotonic() < deadline:
+            await anyio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        # ...then cancel the rest; their executors record them as released back to queued.
+        if self._running:
+            log.warning("stopping: cancelling %d job(s) still running after %.0f s: %s",
+                        len(self._running), self.shutdown_timeout,
+                        ", ".join(f"{r.job.id} ({r.job.task})" for r in self._running.values()))
+            for r in list(self._running.values()):
+                r.cancel("shutdown")
+            with anyio.move_on_after(5.0):
+                while self._running:
+                    await anyio.sleep(0.01)
+        await completer.drain(timeout=10.0)
+
+    def _dispatch(self, job: Job) -> None:
+        running = RunningJob(job, time.monotonic())
+        self._running[job.id] = running
+        assert self._handlers is not None
+        self._handlers.start_soon(self._execute, running, name=f"asyncjobq job {job.id}")
+
+    async def _execute(self, running: RunningJob) -> None:
+        job = running.job
+        assert self.completer is not None and self.fetcher is not None
+        outcome: Outcome | None = None
+        try:
+            outcome = await execute(running, self.queue.tasks.get(job.task),
+                                    list(self.queue.tasks), self._thread_limiter)
+        finally:
+            self._running.pop(job.id, None)
+            if outcome is not None:
+                self.completer.add(outcome)
+            self.fetcher.release_slot()
+
+    def _written(self, outcomes: list[Outcome]) -> None:
+        assert self.fetcher is not None
+        for o in outcomes:
+            if o.kind == "done":
+                self.completed += 1
+            elif o.kind in ("retry", "snooze") and o.delay < self.poll_interval:
+                # Our own retry is due before the next poll: wake up for it.
+                self.fetcher.wakeup.at(time.monotonic() + o.delay)
+
+    def _held_ids(self) -> list[int]:
+        assert self.completer is not None
+        return list(self._running) + self.completer.pending_ids()
+
+    def _lease_lost(self, ids: set[int]) -> None:
+        for job_id in ids:
+            r = self._running.get(job_id)
+            if r is not None:
+                log.warning("job %s (%s): lease lost (reaped while running); cancelling the "
+                            "handler, its outcome will not be written", job_id, r.job.task)
+                r.cancel("lease lost")

@@ -1,0 +1,37 @@
+"""The app that test worker processes run: handlers log every execution to <schema>.claims."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+from psycopg import sql
+
+from asyncjobq import Job, Queue
+
+queue = Queue(schema=os.environ.get("ASYNCJOBQ_TEST_SCHEMA", "asyncjobq"))
+
+
+async def log_execution(job: Job) -> None:
+    async with queue.connection() as conn:
+        await conn.execute(
+            sql.SQL("INSERT INTO {}.claims (job_id, attempt, pid, worker) VALUES (%s, %s, %s, %s)")
+            .format(sql.Identifier(queue.schema)), (job.id, job.attempt, os.getpid(), job.worker))
+
+
+@queue.task(name="log")
+async def log_job(job: Job) -> None:
+    await log_execution(job)
+
+
+@queue.task(name="sleep", max_attempts=5)
+async def sleep_job(job: Job) -> None:
+    await log_execution(job)
+    await anyio.sleep(float(job.payload.get("seconds", 1)))
+
+
+@queue.task(name="block", max_attempts=5)
+async def block_job(job: Job) -> None:
+    await log_execution(job)
+    time.sleep(float(job.payload.get("seconds", 1)))  # blocks the event loop on purpose

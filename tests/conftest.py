@@ -1,0 +1,124 @@
+"""Real PostgreSQL for every test: $ASYNCJOBQ_TEST_DSN, else an embedded pgserver (PG 16).
+
+Each test gets its own schema, dropped afterwards. Conditions are awaited with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from asyncjobq import Queue, Worker
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+
+
+def _start_embedded(path: Path) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import pgserver
+    path.mkdir(parents=True, exist_ok=True)
+    return pgserver.get_server(path, cleanup_mode="delete")
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    dsn = os.environ.get("ASYNCJOBQ_TEST_DSN")
+    if dsn:
+        yield dsn
+        return
+    server = _start_embedded(tmp_path_factory.mktemp("pg") / "data")
+    yield server.get_uri()
+    server.cleanup()
+
+
+@pytest.fixture
+def schema(pg_dsn: str) -> Iterator[str]:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        # Workers of a failed test may still hold connections; end them so DROP cannot hang.
+        conn.execute("SET lock_timeout = '5s'")
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+async def queue(pg_dsn: str, schema: str) -> AsyncIterator[Queue]:
+    q = Queue(pg_dsn, schema=schema, pool_max_size=20)
+    async with q:
+        await q.install()
+        yield q
+
+
+async def wait_for(cond: Callable[[], Awaitable[bool] | bool], timeout: float = 20.0,
+                   interval: float = 0.02, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = cond()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+@asynccontextmanager
+async def running(worker: Worker) -> AsyncIterator[Worker]:
+    """Run a worker in the background for the block, then stop it and wait for it."""
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_for(lambda: worker.fetcher is not None or task.done(), 10, what="worker start")
+        if task.done():
+            task.result()
+        yield worker
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, timeout=worker.shutdown_timeout + 20)
+
+
+async def fetchval(q: Queue, query: str, *params: Any) -> Any:
+    async with q.connection() as conn:
+        cur = await conn.execute(sql.SQL(query).format(s=sql.Identifier(q.schema)), params)
+        row = await cur.fetchone()
+        return None if row is None else row[0]
+
+
+async def execute(q: Queue, query: str, *params: Any) -> None:
+    async with q.connection() as conn:
+        await conn.execute(sql.SQL(query).format(s=sql.Identifier(q.schema)), params)
+
+
+def spawn_worker(dsn: str, schema: str, *args: str, app: str = "apps.testapp:queue",
+                 env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A worker process started the way users start one: `python -m asyncjobq worker APP`."""
+    full_env = dict(os.environ, ASYNCJOBQ_DSN=dsn, ASYNCJOBQ_TEST_SCHEMA=schema,
+                    PYTHONPATH=str(TESTS), **(env or {}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncjobq", "worker", app, "--log-level", "warning", *args],
+        cwd=TESTS, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ, PYTHONPATH=str(TESTS), **(env or {}))
+    full_env.pop("ASYNCJOBQ_DSN", None)
+    if dsn is not None:
+        full_env["ASYNCJOBQ_DSN"] = dsn
+    return subprocess.run([sys.executable, "-m", "asyncjobq", *args], cwd=TESTS, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)

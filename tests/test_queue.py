@@ -1,0 +1,171 @@
+"""Queue API: enqueue (own and caller's transaction), enqueue_many, get, stats, cancel,
+retry_failed, dedup, install, connection()."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+from conftest import execute, fetchval
+from psycopg import sql
+
+import asyncjobq
+from asyncjobq import Queue
+
+
+async def test_install_is_idempotent_and_concurrency_safe(pg_dsn: str, schema: str) -> None:
+    queues = [Queue(pg_dsn, schema=schema) for _ in range(4)]
+    for q in queues:
+        await q.open()
+    try:
+        results = await asyncio.gather(*(q.install() for q in queues))
+        assert sorted(len(r) for r in results) == [0, 0, 0, 1]  # exactly one applied it
+        assert await queues[0].install() == []
+        assert await fetchval(queues[0], "SELECT count(*) FROM {s}.migrations") == 1
+    finally:
+        for q in queues:
+            await q.close()
+
+
+async def test_enqueue_and_get(queue: Queue) -> None:
+    job_id = await queue.enqueue("send_email", {"to": "a@example.com"}, priority=5,
+                                 max_attempts=7)
+    info = await queue.get(job_id)
+    assert info is not None
+    assert (info.id, info.task, info.queue, info.status) == (job_id, "send_email", "default",
+                                                             "queued")
+    assert (info.priority, info.max_attempts, info.attempts) == (5, 7, 0)
+    assert info.payload == {"to": "a@example.com"}
+    assert info.finished_at is None and info.last_error is None
+    assert await queue.get(job_id + 1000) is None
+
+
+async def test_enqueue_in_committed_transaction(queue: Queue, pg_dsn: str) -> None:
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        async with conn.transaction():
+            job_id = await queue.enqueue("t", {"n": 1}, conn=conn)
+            # Not visible outside the transaction yet.
+            assert await queue.get(job_id) is None
+        assert (await queue.get(job_id)) is not None
+
+
+async def test_enqueue_in_rolled_back_transaction_leaves_nothing_and_wakes_nobody(
+        queue: Queue, pg_dsn: str) -> None:
+    listener = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
+    await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(queue.channel)))
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        with pytest.raises(RuntimeError):
+            async with conn.transaction():
+                job_id = await queue.enqueue("t", {"n": 1}, conn=conn)
+                raise RuntimeError("the caller's work failed")
+    assert await queue.get(job_id) is None
+    assert await queue.stats() == {}
+    got = [n async for n in listener.notifies(timeout=0.5)]
+    assert got == []
+    # And a committed one does notify, once per statement and queue, carrying the queue name.
+    await queue.enqueue_many("t", [{"n": i} for i in range(50)], queue="q2")
+    got = [n async for n in listener.notifies(timeout=1.0, stop_after=2)]
+    assert len(got) == 1 and json.loads(got[0].payload)["queue"] == "q2"
+    await listener.close()
+
+
+async def test_enqueue_options(queue: Queue) -> None:
+    at = datetime.now(UTC) + timedelta(hours=1)
+    a = await queue.get(await queue.enqueue("t", {}, run_at=at, queue="mail"))
+    assert a is not None and a.queue == "mail" and abs((a.run_at - at).total_seconds()) < 0.01
+    b = await queue.get(await queue.enqueue("t", {}, delay=60))
+    assert b is not None and (b.run_at - datetime.now(UTC)).total_seconds() > 55
+    c = await queue.get(await queue.enqueue("t", {}, delay=timedelta(seconds=30), run_at=at))
+    assert c is not None and abs((c.run_at - at).total_seconds() - 30) < 0.01
+
+
+async def test_task_defaults_and_task_enqueue(queue: Queue) -> None:
+    @queue.task(name="mail.send", queue="mail", priority=3, max_attempts=9)
+    async def send(job: asyncjobq.Job) -> None: ...
+
+    info = await queue.get(await send.enqueue({"to": "c"}))
+    assert info is not None
+    assert (info.task, info.queue, info.priority, info.max_attempts) == ("mail.send", "mail", 3, 9)
+    info = await queue.get(await queue.enqueue(send, {}, priority=1))
+    assert info is not None and info.priority == 1 and info.queue == "mail"
+
+
+async def test_enqueue_many_ten_thousand_in_one_statement(queue: Queue) -> None:
+    payloads = [{"n": i} for i in range(10_000)]
+    ids = await queue.enqueue_many("bulk", payloads)
+    assert len(ids) == 10_000 and ids == sorted(ids) and len(set(ids)) == 10_000
+    assert (await queue.stats())["default"]["queued"] == 10_000
+    last = await queue.get(ids[-1])
+    assert last is not None and last.payload == {"n": 9_999}
+    assert await queue.enqueue_many("bulk", []) == []
+
+
+async def test_dedup_key_returns_existing_live_job(queue: Queue) -> None:
+    a = await queue.enqueue("t", {"v": 1}, dedup_key="user-42")
+    b = await queue.enqueue("t", {"v": 2}, dedup_key="user-42")
+    assert a == b
+    assert (await queue.stats())["default"]["queued"] == 1
+    # Concurrent duplicates collapse too.
+    ids = await asyncio.gather(*(queue.enqueue("t", {}, dedup_key="k2") for _ in range(20)))
+    assert len(set(ids)) == 1
+    # Once the job is no longer queued/running the key is free again.
+    assert await queue.cancel(a)
+    c = await queue.enqueue("t", {"v": 3}, dedup_key="user-42")
+    assert c != a
+
+
+async def test_cancel(queue: Queue) -> None:
+    job_id = await queue.enqueue("t", {})
+    assert await queue.cancel(job_id) is True
+    info = await queue.get(job_id)
+    assert info is not None and info.status == "cancelled" and info.finished_at is not None
+    assert await queue.cancel(job_id) is False
+    assert await queue.cancel(123_456_789) is False
+    assert (await queue.stats())["default"]["cancelled"] == 1
+
+
+async def test_stats_has_all_statuses(queue: Queue) -> None:
+    await queue.enqueue("t", {}, queue="a")
+    await queue.enqueue("t", {}, queue="b")
+    stats = await queue.stats()
+    assert set(stats) == {"a", "b"}
+    for counts in stats.values():
+        assert set(counts) == {"queued", "running", "done", "failed", "cancelled"}
+
+
+async def test_retry_failed_filters(queue: Queue) -> None:
+    ids = [await queue.enqueue("t", {}, queue=q) for q in ("a", "a", "b")]
+    await execute(queue, "UPDATE {s}.jobs SET status = 'failed', attempts = 3,"
+                  " last_error = 'attempt 3: TimeoutError' WHERE id = %s", ids[0])
+    await execute(queue, "UPDATE {s}.jobs SET status = 'failed', attempts = 3,"
+                  " last_error = 'attempt 3: ValueError' WHERE id = ANY(%s)", ids[1:])
+    assert await queue.retry_failed(error_like="%Timeout%") == 1
+    info = await queue.get(ids[0])
+    assert info is not None and info.status == "queued" and info.attempts == 0
+    assert await queue.retry_failed(queue="b") == 1
+    assert await queue.retry_failed(task="other") == 0
+    assert await queue.retry_failed() == 1
+
+
+async def test_connection_is_pooled_autocommit(queue: Queue) -> None:
+    async with queue.connection() as conn:
+        assert conn.autocommit
+        cur = await conn.execute("SELECT 1")
+        assert await cur.fetchone() == (1,)
+
+
+async def test_closed_queue_says_to_open(pg_dsn: str, schema: str) -> None:
+    q = Queue(pg_dsn, schema=schema)
+    with pytest.raises(asyncjobq.QueueClosedError, match="async with queue"):
+        await q.enqueue("t", {})
+
+
+async def test_schema_not_installed(pg_dsn: str, schema: str) -> None:
+    async with Queue(pg_dsn, schema=schema) as q:
+        with pytest.raises(asyncjobq.SchemaNotInstalledError, match="asyncjobq install"):
+            await q.enqueue("t", {})
+        with pytest.raises(asyncjobq.SchemaNotInstalledError):
+            await q.stats()
