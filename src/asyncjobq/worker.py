@@ -61,7 +61,7 @@ class Worker:
         if isinstance(queues, str):
             queues = (queues,)
         if not queues:
-            raise ConfigurationError("queues is empty: name at least one queue, e.g. ('default',)")
+            raise ConfigurationError("queues is empty: use at least one queue name, e.g. queues=('default',)")
         for q in queues:
             _check_queue_name(q)
         _positive("concurrency", concurrency, integer=True)

@@ -27,8 +27,14 @@ async def log_job(job: Job) -> None:
 
 @queue.task(name="sleep", max_attempts=5)
 async def sleep_job(job: Job) -> None:
+    """Sleeps payload["seconds"]; payload["by_attempt"] = [s1, s2, ...] overrides per attempt."""
     await log_execution(job)
-    await anyio.sleep(float(job.payload.get("seconds", 1)))
+    by_attempt = job.payload.get("by_attempt")
+    if by_attempt:
+        seconds = by_attempt[min(job.attempt, len(by_attempt)) - 1]
+    else:
+        seconds = job.payload.get("seconds", 1)
+    await anyio.sleep(float(seconds))
 
 
 @queue.task(name="block", max_attempts=5)

@@ -1,0 +1,167 @@
+"""Worker processes, started as users start them, under the article's double-claim count,
+SIGKILL, SIGTERM and a PostgreSQL restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from claims import CREATE_CLAIMS, DOUBLE_CLAIMS
+from conftest import _start_embedded, execute, fetchval, running, spawn_worker, wait_for
+
+from asyncjobq import Job, Queue, Worker
+
+
+@pytest.fixture
+async def claims_queue(queue: Queue) -> Queue:
+    await execute(queue, CREATE_CLAIMS)
+    return queue
+
+
+def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
+
+
+@pytest.mark.timeout(300)
+async def test_four_processes_never_double_claim(claims_queue: Queue, pg_dsn: str) -> None:
+    q = claims_queue
+    await q.enqueue_many("log", [{"n": i} for i in range(5000)])
+    procs = [spawn_worker(pg_dsn, q.schema, "--concurrency", "10", "--batch", "10")
+             for _ in range(4)]
+    try:
+        await wait_for(lambda: fetchval(q, "SELECT count(*) = 0 FROM {s}.jobs"), timeout=240,
+                       interval=0.2, what="5,000 jobs drained")
+        assert await fetchval(q, DOUBLE_CLAIMS) == 0
+        assert await fetchval(q, "SELECT count(*) FROM {s}.claims") == 5000
+        assert await fetchval(q, "SELECT count(DISTINCT pid) FROM {s}.claims") >= 2
+        assert (await q.stats())["default"]["done"] == 5000
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            assert "Traceback" not in err
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.timeout(120)
+async def test_sigkilled_worker_job_is_reaped_and_completed_elsewhere(
+        claims_queue: Queue, pg_dsn: str) -> None:
+    q = claims_queue
+    job_id = await q.enqueue("sleep", {"by_attempt": [60, 0.1]})
+    a = spawn_worker(pg_dsn, q.schema, "--lease", "2")
+    procs = [a]
+    try:
+        await wait_for(lambda: fetchval(q, "SELECT count(*) = 1 FROM {s}.claims"), timeout=30,
+                       what="worker A running the job")
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(timeout=10)
+        assert (await q.get(job_id)).status == "running"  # type: ignore[union-attr]
+        b = spawn_worker(pg_dsn, q.schema, "--lease", "2")
+        procs.append(b)
+        await wait_for(lambda: status_is(q, job_id, "done"), timeout=60, what="job done by B")
+        rows = await fetchval(q, "SELECT array_agg(pid ORDER BY attempt) FROM {s}.claims")
+        assert rows == [a.pid, b.pid]
+        info = await q.get(job_id)
+        assert info is not None and info.attempts == 2 and info.last_error is not None
+        assert "lease expired" in info.last_error
+        assert await fetchval(q, DOUBLE_CLAIMS) == 0
+    finally:
+        stop_all(procs)
+
+
+async def status_is(q: Queue, job_id: int, status: str) -> bool:
+    info = await q.get(job_id)
+    return info is not None and info.status == status
+
+
+@pytest.mark.timeout(120)
+async def test_sigterm_with_jobs_in_flight_leaves_nothing_running(
+        claims_queue: Queue, pg_dsn: str) -> None:
+    q = claims_queue
+    ids = await q.enqueue_many("sleep", [{"seconds": 60} for _ in range(5)])
+    quick = await q.enqueue_many("sleep", [{"seconds": 0.3} for _ in range(3)])
+    w = spawn_worker(pg_dsn, q.schema, "--shutdown-timeout", "1", "--concurrency", "8")
+    try:
+        await wait_for(lambda: fetchval(q, "SELECT count(*) = 8 FROM {s}.claims"), timeout=30,
+                       what="eight jobs running")
+        t0 = time.monotonic()
+        w.send_signal(signal.SIGTERM)
+        _, err = w.communicate(timeout=30)
+        assert w.returncode == 0, err
+        assert time.monotonic() - t0 < 10
+        assert "Traceback" not in err
+        assert await fetchval(q, "SELECT count(*) FROM {s}.jobs WHERE status = 'running'") == 0
+        for i in ids:
+            info = await q.get(i)
+            assert info is not None and info.status == "queued"
+            assert info.last_error and "interrupted by worker shutdown" in info.last_error
+        for i in quick:  # finished within shutdown_timeout: written as done
+            assert await status_is(q, i, "done")
+    finally:
+        stop_all([w])
+
+
+@pytest.fixture
+def private_server(tmp_path: Path) -> Iterator[Any]:
+    """A PostgreSQL of our own, so the test may restart it."""
+    server = _start_embedded(tmp_path / "restartable")
+    yield server
+    server.cleanup()
+
+
+def restart(server: Any, mode: str) -> None:
+    from pgserver._commands import pg_ctl
+
+    pg_ctl(["-w", "-m", mode, "restart"], pgdata=server.pgdata, user=server.system_user,
+           timeout=60)
+
+
+@pytest.mark.timeout(180)
+async def test_worker_survives_a_postgresql_restart(private_server: Any) -> None:
+    dsn = private_server.get_uri()
+    q = Queue(dsn, schema="restart_test")
+    ran: list[int] = []
+
+    @q.task(name="r")
+    async def r(job: Job) -> None:
+        ran.append(job.id)
+
+    async with q:
+        await q.install()
+        w = Worker(q, poll_interval=30, lease=5)
+        async with running(w):
+            await wait_for(lambda: w.listener is not None and w.listener.connected.is_set())
+            await r.enqueue({})
+            await wait_for(lambda: len(ran) == 1, what="job before the restart")
+            for n, mode in enumerate(("fast", "immediate"), start=2):
+                restart(private_server, mode)
+                await wait_for(lambda n=n: w.listener is not None and w.listener.connects >= n
+                               and w.listener.backend_pid is not None, timeout=60,
+                               what=f"LISTEN back after {mode} restart")
+                # Enqueue through the pool (its dead connections are replaced), and the
+                # notification, not the 30 s poll, must wake the worker.
+                await wait_for(lambda: enqueue_ok(q), timeout=30, what="enqueue after restart")
+                t0 = time.monotonic()
+                await wait_for(lambda n=n: len(ran) == n, timeout=10, what="job after restart")
+                assert time.monotonic() - t0 < 5
+
+
+async def enqueue_ok(q: Queue) -> bool:
+    import psycopg
+
+    try:
+        await q.enqueue("r", {})
+    except psycopg.OperationalError:
+        return False
+    return True

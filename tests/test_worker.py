@@ -1,0 +1,335 @@
+"""Worker behaviour in one process: outcomes, retries, timeout, order, heartbeat, fencing,
+notifications and reconnection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime, timedelta
+
+import anyio
+import psycopg
+from conftest import execute, fetchval, running, wait_for
+
+import asyncjobq
+from asyncjobq import Fail, Job, Queue, Retry, Worker
+from asyncjobq.completer import Completer
+from asyncjobq.fetcher import Fetcher
+from asyncjobq.outcome import Outcome
+from asyncjobq.reaper import Reaper
+
+
+async def status_of(queue: Queue, job_id: int) -> str:
+    info = await queue.get(job_id)
+    assert info is not None
+    return info.status
+
+
+async def test_runs_async_and_sync_handlers(queue: Queue) -> None:
+    seen: list[tuple[str, int]] = []
+
+    @queue.task(name="a")
+    async def a(job: Job) -> None:
+        seen.append(("a", job.payload["n"]))
+
+    @queue.task(name="s")
+    def s(job: Job) -> str:
+        seen.append(("s", job.payload["n"]))
+        return "return values are ignored"
+
+    ids = [await a.enqueue({"n": 1}), await s.enqueue({"n": 2})]
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: all_done(queue, ids), what="both jobs done")
+    assert sorted(seen) == [("a", 1), ("s", 2)]
+    info = await queue.get(ids[0])
+    assert info is not None and info.finished_at is not None and info.attempts == 1
+
+
+async def all_done(queue: Queue, ids: list[int], status: str = "done") -> bool:
+    for i in ids:
+        info = await queue.get(i)
+        if info is None or info.status != status:
+            return False
+    return True
+
+
+async def test_retry_sequence_ends_failed_with_last_error(queue: Queue) -> None:
+    attempts: list[int] = []
+
+    @queue.task(name="boom", max_attempts=3, backoff=lambda n: 0.05 * n)
+    async def boom(job: Job) -> None:
+        attempts.append(job.attempt)
+        raise RuntimeError(f"n={job.payload['n']} always fails")
+
+    job_id = await boom.enqueue({"n": 7})
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: all_done(queue, [job_id], "failed"), what="job failed")
+    assert attempts == [1, 2, 3]
+    info = await queue.get(job_id)
+    assert info is not None and info.attempts == 3 and info.finished_at is not None
+    assert info.last_error is not None
+    assert "attempt 3: RuntimeError: n=7 always fails" in info.last_error
+    assert "attempt 1:" in info.last_error  # the history of attempts is kept
+    # The dead letter can be requeued and then succeeds once the cause is gone.
+    queue.tasks.pop("boom")
+
+    @queue.task(name="boom")
+    async def fixed(job: Job) -> None: ...
+
+    assert await queue.retry_failed() == 1
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: all_done(queue, [job_id]), what="retried job done")
+
+
+async def test_default_backoff_pushes_run_at_out(queue: Queue) -> None:
+    @queue.task(name="once", max_attempts=5)
+    async def once(job: Job) -> None:
+        raise ValueError("nope")
+
+    job_id = await once.enqueue({})
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: fetchval(queue, "SELECT attempts = 1 AND status = 'queued'"
+                                        " FROM {s}.jobs WHERE id = %s", job_id), what="retry")
+    delay = await fetchval(queue, "SELECT extract(epoch FROM run_at - now()) FROM {s}.jobs"
+                           " WHERE id = %s", job_id)
+    assert 1.0 < float(delay) <= 2.2  # min(300, 2 ** 1) s plus at most 10 % jitter
+
+
+async def test_retry_and_fail_signals(queue: Queue) -> None:
+    calls: list[int] = []
+
+    @queue.task(name="snooze", max_attempts=1)
+    async def snooze(job: Job) -> None:
+        calls.append(job.attempt)
+        if len(calls) < 3:
+            raise Retry(delay=0.05)
+
+    @queue.task(name="fail", max_attempts=5)
+    async def fail(job: Job) -> None:
+        raise Fail("bad input, do not retry")
+
+    s_id, f_id = await snooze.enqueue({}), await fail.enqueue({})
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: all_done(queue, [s_id]), what="snoozed job done")
+        await wait_for(lambda: all_done(queue, [f_id], "failed"), what="failed job")
+    # Retry does not count as an error: max_attempts=1 and it still ran three times.
+    assert calls == [1, 2, 3]
+    s = await queue.get(s_id)
+    assert s is not None and s.last_error is None
+    f = await queue.get(f_id)
+    assert f is not None and f.attempts == 1 and f.last_error is not None
+    assert "Fail: bad input, do not retry" in f.last_error
+
+
+async def test_timeout_is_a_failed_attempt(queue: Queue) -> None:
+    @queue.task(name="slow", timeout=0.2, max_attempts=1)
+    async def slow(job: Job) -> None:
+        await anyio.sleep(30)
+
+    @queue.task(name="slow_sync", timeout=0.2, max_attempts=1)
+    def slow_sync(job: Job) -> None:
+        time.sleep(1)
+
+    ids = [await slow.enqueue({}), await slow_sync.enqueue({})]
+    started = time.monotonic()
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: all_done(queue, ids, "failed"), what="timed out jobs")
+    assert time.monotonic() - started < 10
+    for i in ids:
+        info = await queue.get(i)
+        assert info is not None and info.last_error is not None
+        assert "timed out after 0.2 s" in info.last_error
+
+
+async def test_unknown_task_and_bad_handlers_do_not_stop_the_worker(queue: Queue) -> None:
+    @queue.task(name="exit", max_attempts=1)
+    async def exits(job: Job) -> None:
+        raise SystemExit(3)
+
+    @queue.task(name="cancelled", max_attempts=1)
+    async def cancels(job: Job) -> None:
+        raise asyncio.CancelledError()
+
+    @queue.task(name="ok")
+    async def ok(job: Job) -> int:
+        return 42
+
+    bad = [await queue.enqueue("nobody.handles.this", {}), await exits.enqueue({}),
+           await cancels.enqueue({})]
+    good = await ok.enqueue({})
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: all_done(queue, bad, "failed"), what="bad jobs failed")
+        await wait_for(lambda: all_done(queue, [good]), what="good job done")
+    unknown = await queue.get(bad[0])
+    assert unknown is not None and unknown.last_error is not None
+    assert "unknown task 'nobody.handles.this'" in unknown.last_error
+    assert "cancelled, exit, ok" in unknown.last_error  # names the registered tasks
+
+
+async def test_priority_then_run_at_order(queue: Queue) -> None:
+    order: list[str] = []
+
+    @queue.task(name="rec")
+    async def rec(job: Job) -> None:
+        order.append(job.payload["name"])
+
+    now = datetime.now(UTC)
+    await rec.enqueue({"name": "low-old"}, priority=0, run_at=now - timedelta(seconds=30))
+    await rec.enqueue({"name": "high-new"}, priority=10, run_at=now - timedelta(seconds=1))
+    await rec.enqueue({"name": "high-old"}, priority=10, run_at=now - timedelta(seconds=20))
+    await rec.enqueue({"name": "low-new"}, priority=0, run_at=now - timedelta(seconds=2))
+    await rec.enqueue({"name": "future"}, priority=99, delay=0.6)
+    async with running(Worker(queue, concurrency=1, batch_size=1, poll_interval=0.05)):
+        await wait_for(lambda: len(order) == 5, what="all five ran")
+    assert order == ["high-old", "high-new", "low-old", "low-new", "future"]
+
+
+async def test_batch_claims_at_most_free_slots(queue: Queue) -> None:
+    gate = anyio.Event()
+    active: list[int] = []
+    peak = [0]
+
+    @queue.task(name="hold")
+    async def hold(job: Job) -> None:
+        active.append(job.id)
+        peak[0] = max(peak[0], len(active))
+        await gate.wait()
+        active.remove(job.id)
+
+    await queue.enqueue_many("hold", [{} for _ in range(30)])
+    async with running(Worker(queue, concurrency=4, batch_size=10, poll_interval=0.05)):
+        await wait_for(lambda: len(active) == 4, what="four running")
+        assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'running'") == 4
+        gate.set()
+        await wait_for(lambda: fetchval(queue, "SELECT count(*) = 0 FROM {s}.jobs"), what="drain")
+    assert peak[0] == 4
+
+
+async def test_heartbeat_keeps_a_long_job_alive(queue: Queue) -> None:
+    runs: list[int] = []
+
+    @queue.task(name="long")
+    async def long(job: Job) -> None:
+        runs.append(job.attempt)
+        await anyio.sleep(3.6)  # three times the lease
+
+    job_id = await long.enqueue({})
+    w = Worker(queue, lease=1.2, poll_interval=0.1, reap_interval=0.2)
+    async with running(w):
+        await wait_for(lambda: all_done(queue, [job_id]), timeout=20, what="long job done")
+    assert runs == [1]
+    assert w.heartbeat is not None and w.heartbeat.beats >= 5
+    assert w.reaper is not None and w.reaper.reaped == 0
+
+
+async def test_stale_worker_completion_is_refused_by_fencing(queue: Queue) -> None:
+    job_id = await queue.enqueue("t", {})
+
+    def fetcher(worker_id: str) -> Fetcher:
+        return Fetcher(queue, worker_id, ["default"], batch_size=1, concurrency=1,
+                       poll_interval=1, free_slots=lambda: 1, dispatch=lambda j: None)
+
+    (a_job,) = await fetcher("worker-a").claim(1)
+    # worker-a goes silent: its lease runs out and the reaper requeues the job...
+    await execute(queue, "UPDATE {s}.jobs SET locked_at = now() - interval '1 hour'")
+    assert await Reaper(queue, lease=30, interval=1).reap() == 1
+    info = await queue.get(job_id)
+    assert info is not None and info.status == "queued" and info.last_error is not None
+    assert "lease expired, worker worker-a stopped heartbeating" in info.last_error
+    # ...worker-b claims attempt 2...
+    (b_job,) = await fetcher("worker-b").claim(1)
+    assert b_job.attempt == 2
+    # ...and worker-a's late completion of attempt 1 is refused, not written.
+    late = Completer(queue, "worker-a", max_batch=10)
+    late.add(Outcome(a_job.id, a_job.attempt, "done"))
+    await late.flush()
+    assert late.refused == 1
+    assert await status_of(queue, job_id) == "running"
+    assert await fetchval(queue, "SELECT locked_by FROM {s}.jobs WHERE id = %s",
+                          job_id) == "worker-b"
+    b = Completer(queue, "worker-b", max_batch=10)
+    b.add(Outcome(b_job.id, b_job.attempt, "done"))
+    await b.flush()
+    assert b.refused == 0 and await status_of(queue, job_id) == "done"
+
+
+async def test_notification_wakes_idle_worker_long_before_poll(queue: Queue) -> None:
+    started: list[float] = []
+
+    @queue.task(name="ping")
+    async def ping(job: Job) -> None:
+        started.append(time.monotonic())
+
+    w = Worker(queue, poll_interval=30)
+    async with running(w):
+        assert w.listener is not None
+        await wait_for(lambda: w.listener is not None and w.listener.connected.is_set(),
+                       what="LISTEN connected")
+        await asyncio.sleep(0.2)  # let the fetcher's first (empty) claim finish and go idle
+        for _ in range(3):
+            t0 = time.monotonic()
+            await ping.enqueue({})
+            await wait_for(lambda n=len(started): len(started) > n, timeout=5, what="wake-up")
+            assert started[-1] - t0 < 1.0
+
+
+async def test_listen_connection_killed_is_reestablished(queue: Queue, pg_dsn: str) -> None:
+    started: list[float] = []
+
+    @queue.task(name="ping")
+    async def ping(job: Job) -> None:
+        started.append(time.monotonic())
+
+    w = Worker(queue, poll_interval=30)
+    async with running(w):
+        assert w.listener is not None
+        await wait_for(lambda: w.listener is not None and w.listener.backend_pid is not None,
+                       what="LISTEN connected")
+        old_pid = w.listener.backend_pid
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin:
+            await admin.execute("SELECT pg_terminate_backend(%s)", (old_pid,))
+        await wait_for(lambda: w.listener is not None and w.listener.connects >= 2
+                       and w.listener.backend_pid not in (None, old_pid),
+                       timeout=10, what="LISTEN reconnected")
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await ping.enqueue({})
+        await wait_for(lambda: len(started) == 1, timeout=5, what="wake-up after reconnect")
+        assert started[0] - t0 < 1.0
+
+
+async def test_stop_releases_running_jobs_to_queued(queue: Queue) -> None:
+    @queue.task(name="forever")
+    async def forever(job: Job) -> None:
+        await anyio.sleep(3600)
+
+    ids = await queue.enqueue_many("forever", [{} for _ in range(3)])
+    w = Worker(queue, shutdown_timeout=0.3, poll_interval=0.1)
+    async with running(w):
+        await wait_for(lambda: len(w.running_jobs) == 3, what="three running")
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'running'") == 0
+    for i in ids:
+        info = await queue.get(i)
+        assert info is not None and info.status == "queued" and info.attempts == 1
+        assert info.last_error is not None and "interrupted by worker shutdown" in info.last_error
+
+
+async def test_worker_refuses_bad_settings(queue: Queue) -> None:
+    for kwargs in ({"concurrency": 0}, {"batch_size": -1}, {"lease": 0},
+                   {"poll_interval": -1}, {"queues": ()}):
+        try:
+            Worker(queue, **kwargs)  # type: ignore[arg-type]
+        except asyncjobq.ConfigurationError as e:
+            assert "use" in str(e)
+        else:
+            raise AssertionError(f"Worker accepted {kwargs}")
+
+
+async def test_worker_needs_installed_schema(pg_dsn: str, schema: str) -> None:
+    async with Queue(pg_dsn, schema=schema) as q:
+        try:
+            await Worker(q).run()
+        except asyncjobq.SchemaNotInstalledError as e:
+            assert "asyncjobq install" in str(e)
+        else:
+            raise AssertionError("worker ran without a schema")
