@@ -268,8 +268,9 @@ async def test_notification_wakes_idle_worker_long_before_poll(queue: Queue) -> 
         await asyncio.sleep(0.2)  # let the fetcher's first (empty) claim finish and go idle
         for _ in range(3):
             t0 = time.monotonic()
+            before = len(started)
             await ping.enqueue({})
-            await wait_for(lambda n=len(started): len(started) > n, timeout=5, what="wake-up")
+            await wait_for(lambda b=before: len(started) > b, timeout=5, what="wake-up")
             assert started[-1] - t0 < 1.0
 
 

@@ -1,4 +1,4 @@
-"""`python -m asyncjobq` / `asyncjobq`: worker, install, enqueue, status, retry-failed, cancel, demo.
+"""`python -m asyncjobq`: worker, install, enqueue, status, retry-failed, cancel, demo.
 
 Mistakes exit 2 (usage) or 1 (runtime) with one line on stderr that says what to do.
 """
@@ -16,12 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio
 import click
 import psycopg
 
 from . import runtime
-from .dsn import redact
 from .errors import AppImportError, AsyncJobQError
 from .queue import Queue
 from .worker import Worker

@@ -43,10 +43,11 @@ def redact(dsn: str) -> str:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
         # Unparseable: hide anything that looks like a password rather than echo it.
-        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", re.sub(r"(password\s*=\s*)\S+", r"\1***", dsn))
+        dsn = re.sub(r"(password\s*=\s*)\S+", r"\1***", dsn)
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)
     if "password" in params:
         params["password"] = "***"
-    return make_conninfo(**{k: v for k, v in params.items() if v is not None})
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
 
 
 def resolve_dsn(dsn: str | None) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,10 @@ def embedded_dsn(*, notice: bool = True) -> str:
     global _server
     if _server is None:
         try:
-            import pgserver
+            with warnings.catch_warnings():
+                # platformdirs warns when XDG_RUNTIME_DIR is unset (CI, containers): harmless.
+                warnings.simplefilter("ignore")
+                import pgserver
         except ImportError:
             raise EmbeddedUnavailableError(
                 "no database given and the embedded PostgreSQL is not installed: "
@@ -35,7 +39,8 @@ def embedded_dsn(*, notice: bool = True) -> str:
         pgdata = embedded_home() / "pgdata"
         try:
             pgdata.mkdir(parents=True, exist_ok=True)
-            _server = pgserver.get_server(pgdata, cleanup_mode="stop")
+            _server = pgserver.get_server(  # type: ignore[attr-defined]
+                pgdata, cleanup_mode="stop")
         except Exception as e:
             raise EmbeddedUnavailableError(
                 f"the embedded PostgreSQL in {pgdata} did not start ({type(e).__name__}: {e}); "

@@ -41,7 +41,8 @@ def _failure(job: Job, task: Task | None, error: str) -> Outcome:
     if job.attempt >= job.max_attempts:
         return Outcome(job.id, job.attempt, "failed", error=message)
     backoff = task.backoff if task and task.backoff else default_backoff
-    return Outcome(job.id, job.attempt, "retry", delay=max(0.0, backoff(job.attempt)), error=message)
+    delay = max(0.0, backoff(job.attempt))
+    return Outcome(job.id, job.attempt, "retry", delay=delay, error=message)
 
 
 async def execute(

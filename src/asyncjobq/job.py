@@ -44,7 +44,7 @@ class JobInfo:
     payload: dict[str, Any]
 
 
-class Retry(Exception):  # noqa: N818 - a control-flow signal, named for what the handler asks
+class Retry(Exception):
     """Raise in a handler to run the job again after `delay` seconds, not counted as an error."""
 
     def __init__(self, delay: float = 0.0, reason: str | None = None) -> None:
@@ -54,7 +54,7 @@ class Retry(Exception):  # noqa: N818 - a control-flow signal, named for what th
         self.delay = float(delay)
 
 
-class Fail(Exception):  # noqa: N818
+class Fail(Exception):
     """Raise in a handler to fail the job at once, with no further attempts."""
 
     def __init__(self, reason: str = "failed by handler") -> None:

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -44,7 +45,7 @@ def latest_version() -> int:
     return max(m.version for m in available())
 
 
-async def apply(conn: psycopg.AsyncConnection[object], schema: str) -> list[int]:
+async def apply(conn: psycopg.AsyncConnection[Any], schema: str) -> list[int]:
     """Apply the missing migrations in one transaction; returns the versions applied.
 
     The advisory lock serialises concurrent installs (CREATE SCHEMA IF NOT EXISTS alone races).
@@ -56,7 +57,7 @@ async def apply(conn: psycopg.AsyncConnection[object], schema: str) -> list[int]
         await conn.execute(st.schema_create)
         await conn.execute(st.migrations_table_create)
         cur = await conn.execute(st.migration_versions)
-        done = {int(v) for (v,) in await cur.fetchall()}  # type: ignore[call-overload]
+        done = {int(v) for (v,) in await cur.fetchall()}
         newest = latest_version()
         if done and max(done) > newest:
             raise SchemaVersionError(
@@ -67,24 +68,24 @@ async def apply(conn: psycopg.AsyncConnection[object], schema: str) -> list[int]
         for m in available():
             if m.version in done:
                 continue
-            await conn.execute(sql.SQL(m.text))  # type: ignore[arg-type]
+            await conn.execute(sql.SQL(m.text))
             await conn.execute(st.migration_record, (m.version, m.name))
             applied.append(m.version)
     return applied
 
 
-async def check(conn: psycopg.AsyncConnection[object], schema: str) -> None:
+async def check(conn: psycopg.AsyncConnection[Any], schema: str) -> None:
     """Raise unless the schema is installed at exactly the versions this code knows."""
     st = statements(schema)
     cur = await conn.execute(st.migrations_table_exists)
     row = await cur.fetchone()
-    if not row or not row[0]:  # type: ignore[index]
+    if not row or not row[0]:
         raise SchemaNotInstalledError(
             f"schema {schema} is not installed: run `python -m asyncjobq install` "
             "(or `await queue.install()`)"
         )
     cur = await conn.execute(st.migration_versions)
-    done = {int(v) for (v,) in await cur.fetchall()}  # type: ignore[call-overload]
+    done = {int(v) for (v,) in await cur.fetchall()}
     newest = latest_version()
     if done and max(done) > newest:
         raise SchemaVersionError(

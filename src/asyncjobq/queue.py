@@ -92,7 +92,7 @@ class Queue:
         priority: int = 0,
         backoff: Backoff | None = None,
     ) -> Callable[[Handler], Task]:
-        """Register a handler: `@queue.task()` above `async def` (or plain `def`, run in a thread)."""
+        """Register a handler: `@queue.task()` above `async def` (plain `def` runs in a thread)."""
         _check_queue_name(queue)
         _check_max_attempts(max_attempts)
         _check_int("priority", priority)
@@ -370,7 +370,9 @@ def _encode_payload(payload: object, index: int | None = None) -> str:
         ) from None
 
 
-def _schedule(run_at: datetime | None, delay: float | timedelta | None) -> tuple[datetime | None, float]:
+def _schedule(
+    run_at: datetime | None, delay: float | timedelta | None
+) -> tuple[datetime | None, float]:
     if run_at is not None:
         if not isinstance(run_at, datetime):
             raise ConfigurationError(f"run_at={run_at!r}: pass a datetime with a timezone")

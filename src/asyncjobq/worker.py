@@ -33,7 +33,7 @@ log = logging.getLogger("asyncjobq.worker")
 
 def _positive(name: str, value: object, *, integer: bool) -> None:
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:  # type: ignore[operator]
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
         kind = "an integer" if integer else "a number of seconds"
         raise ConfigurationError(f"{name}={value!r}: use {kind} greater than 0")
 
@@ -57,11 +57,13 @@ class Worker:
         reap_interval: float | None = None,
     ) -> None:
         if not isinstance(queue, Queue):
-            raise ConfigurationError(f"Worker needs an asyncjobq.Queue, got {type(queue).__name__}")
+            raise ConfigurationError(
+                f"Worker needs an asyncjobq.Queue, got {type(queue).__name__}")
         if isinstance(queues, str):
             queues = (queues,)
         if not queues:
-            raise ConfigurationError("queues is empty: use at least one queue name, e.g. queues=('default',)")
+            raise ConfigurationError(
+                "queues is empty: use at least one queue name, e.g. queues=('default',)")
         for q in queues:
             _check_queue_name(q)
         _positive("concurrency", concurrency, integer=True)
@@ -89,6 +91,7 @@ class Worker:
         self.name = base
         self._running: dict[int, RunningJob] = {}
         self._handlers: TaskGroup | None = None
+        self._none_running: anyio.Event | None = None
         # Events need a running loop; they are made in run(). stop() may come earlier.
         self._stop_requested = False
         self._stop: anyio.Event | None = None
@@ -164,12 +167,11 @@ class Worker:
             await self._stop.wait()
             fetcher.stop()
         # Fetcher has returned: nothing new is claimed. Let running handlers finish...
-        deadline = time.monotonic() + self.shutdown_timeout
         if self._running:
             log.info("stopping: waiting up to %.0f s for %d running job(s)",
                      self.shutdown_timeout, len(self._running))
-        while self._running and time.monotonic() < deadline:
-            await anyio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            with anyio.move_on_after(self.shutdown_timeout):
+                await self._all_finished()
         # ...then cancel the rest; their executors record them as released back to queued.
         if self._running:
             log.warning("stopping: cancelling %d job(s) still running after %.0f s: %s",
@@ -178,9 +180,13 @@ class Worker:
             for r in list(self._running.values()):
                 r.cancel("shutdown")
             with anyio.move_on_after(5.0):
-                while self._running:
-                    await anyio.sleep(0.01)
+                await self._all_finished()
         await completer.drain(timeout=10.0)
+
+    async def _all_finished(self) -> None:
+        self._none_running = anyio.Event()
+        if self._running:
+            await self._none_running.wait()
 
     def _dispatch(self, job: Job) -> None:
         running = RunningJob(job, time.monotonic())
@@ -197,6 +203,8 @@ class Worker:
                                     list(self.queue.tasks), self._thread_limiter)
         finally:
             self._running.pop(job.id, None)
+            if not self._running and self._none_running is not None:
+                self._none_running.set()
             if outcome is not None:
                 self.completer.add(outcome)
             self.fetcher.release_slot()

@@ -40,4 +40,4 @@ async def sleep_job(job: Job) -> None:
 @queue.task(name="block", max_attempts=5)
 async def block_job(job: Job) -> None:
     await log_execution(job)
-    time.sleep(float(job.payload.get("seconds", 1)))  # blocks the event loop on purpose
+    time.sleep(float(job.payload.get("seconds", 1)))  # noqa: ASYNC251 - blocks the loop on purpose
