@@ -165,3 +165,22 @@ async def enqueue_ok(q: Queue) -> bool:
     except psycopg.OperationalError:
         return False
     return True
+
+
+@pytest.mark.timeout(60)
+async def test_second_signal_exits_at_once(claims_queue: Queue, pg_dsn: str) -> None:
+    q = claims_queue
+    await q.enqueue("sleep", {"seconds": 60})
+    w = spawn_worker(pg_dsn, q.schema, "--shutdown-timeout", "60")
+    try:
+        await wait_for(lambda: fetchval(q, "SELECT count(*) = 1 FROM {s}.claims"), timeout=30,
+                       what="job running")
+        w.send_signal(signal.SIGTERM)
+        await wait_for(lambda: fetchval(q, "SELECT true"), timeout=1)  # let it start stopping
+        t0 = time.monotonic()
+        w.send_signal(signal.SIGINT)
+        w.communicate(timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert w.returncode != 0
+    finally:
+        stop_all([w])

@@ -169,3 +169,36 @@ async def test_schema_not_installed(pg_dsn: str, schema: str) -> None:
             await q.enqueue("t", {})
         with pytest.raises(asyncjobq.SchemaNotInstalledError):
             await q.stats()
+
+
+async def test_enqueue_wakes_workers_only_at_commit(queue: Queue, pg_dsn: str) -> None:
+    listener = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
+    await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(queue.channel)))
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        async with conn.transaction():
+            await queue.enqueue("t", {}, conn=conn, queue="tx")
+            assert [n async for n in listener.notifies(timeout=0.3)] == []
+        got = [n async for n in listener.notifies(timeout=2.0, stop_after=1)]
+        assert len(got) == 1 and json.loads(got[0].payload)["queue"] == "tx"
+    await listener.close()
+
+
+async def test_sql_enqueue_function_for_other_languages(queue: Queue) -> None:
+    job_id = await fetchval(queue, "SELECT {s}.enqueue('from_sql', '{{\"k\": 1}}', 'q')")
+    info = await queue.get(int(job_id))
+    assert info is not None and info.task == "from_sql" and info.payload == {"k": 1}
+    again = await fetchval(queue, "SELECT {s}.enqueue('x', dedup_key => 'd1')")
+    assert await fetchval(queue, "SELECT {s}.enqueue('x', dedup_key => 'd1')") == again
+
+
+async def test_bad_payloads_are_refused_before_any_io(pg_dsn: str, schema: str) -> None:
+    q = Queue(pg_dsn, schema=schema)  # never opened: an error here proves no I/O was needed
+    for bad in ([1, 2], "text", {"when": datetime.now(UTC)}, {"x": float("nan")}, {"s": {1, 2}}):
+        with pytest.raises(asyncjobq.InvalidPayloadError):
+            await q.enqueue("t", bad)  # type: ignore[arg-type]
+    with pytest.raises(asyncjobq.InvalidPayloadError, match=r"payloads\[1\]"):
+        await q.enqueue_many("t", [{}, [1]])  # type: ignore[list-item]
+    for kwargs in ({"priority": "high"}, {"max_attempts": 0}, {"delay": -1},
+                   {"run_at": datetime.now()}, {"queue": ""}, {"dedup_key": ""}):
+        with pytest.raises(asyncjobq.ConfigurationError):
+            await q.enqueue("t", {}, **kwargs)  # type: ignore[arg-type]

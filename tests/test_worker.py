@@ -334,3 +334,55 @@ async def test_worker_needs_installed_schema(pg_dsn: str, schema: str) -> None:
             assert "asyncjobq install" in str(e)
         else:
             raise AssertionError("worker ran without a schema")
+
+
+async def test_only_one_reaper_works_at_a_time(queue: Queue, pg_dsn: str) -> None:
+    await queue.enqueue_many("t", [{} for _ in range(3)])
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1,"
+                  " locked_by = 'gone', locked_at = now() - interval '1 hour'")
+    reaper = Reaper(queue, lease=30, interval=1)
+    # Another worker's reaper is mid-turn: it holds the advisory lock in its transaction.
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as other:
+        async with other.transaction():
+            cur = await other.execute(queue.sql.reaper_try_lock)
+            assert (await cur.fetchone()) == (True,)
+            assert await reaper.reap() == 0
+    assert await reaper.reap() == 3
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'queued'") == 3
+    # Attempts spent: the reaper fails the job instead of requeueing it.
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = max_attempts,"
+                  " locked_by = 'gone', locked_at = now() - interval '1 hour'")
+    assert await reaper.reap() == 3
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'failed'") == 3
+
+
+async def test_retry_due_before_poll_wakes_the_worker(queue: Queue) -> None:
+    times: list[float] = []
+
+    @queue.task(name="flaky", backoff=lambda n: 0.3)
+    async def flaky(job: Job) -> None:
+        times.append(time.monotonic())
+        if job.attempt == 1:
+            raise RuntimeError("first attempt fails")
+
+    job_id = await flaky.enqueue({})
+    async with running(Worker(queue, poll_interval=30)):
+        await wait_for(lambda: all_done(queue, [job_id]), timeout=10, what="retried job done")
+    assert len(times) == 2 and 0.25 < times[1] - times[0] < 3.0
+
+
+async def test_delayed_job_runs_when_due_not_at_next_poll(queue: Queue) -> None:
+    times: list[float] = []
+
+    @queue.task(name="later")
+    async def later(job: Job) -> None:
+        times.append(time.monotonic())
+
+    w = Worker(queue, poll_interval=30)
+    async with running(w):
+        await wait_for(lambda: w.listener is not None and w.listener.connected.is_set())
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await later.enqueue({}, delay=0.8)
+        await wait_for(lambda: len(times) == 1, timeout=10, what="delayed job ran")
+    assert 0.7 < times[0] - t0 < 3.0

@@ -34,6 +34,8 @@ class Wakeup:
         """Wake at monotonic time `when` (or earlier if already due sooner)."""
         if self._alarm is None or when < self._alarm:
             self._alarm = when
+            # Interrupt a wait already in progress so that it re-arms with the earlier alarm.
+            self._event.set()
 
     async def wait(self, timeout: float) -> None:
         now = time.monotonic()
