@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import uuid
-import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,11 +27,9 @@ ROOT = TESTS.parent
 
 
 def _start_embedded(path: Path) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import pgserver
-    path.mkdir(parents=True, exist_ok=True)
-    return pgserver.get_server(path, cleanup_mode="delete")
+    from asyncjobq.embedded import start_pgserver
+
+    return start_pgserver(path, cleanup_mode="delete")
 
 
 @pytest.fixture(scope="session")

@@ -386,3 +386,19 @@ async def test_delayed_job_runs_when_due_not_at_next_poll(queue: Queue) -> None:
         await later.enqueue({}, delay=0.8)
         await wait_for(lambda: len(times) == 1, timeout=10, what="delayed job ran")
     assert 0.7 < times[0] - t0 < 3.0
+
+
+async def test_worker_serves_several_queues_and_only_those(queue: Queue) -> None:
+    seen: list[str] = []
+
+    @queue.task(name="q")
+    async def q(job: Job) -> None:
+        seen.append(job.queue)
+
+    for name in ("a", "b", "c"):
+        await q.enqueue({}, queue=name)
+    async with running(Worker(queue, queues=("a", "b"), poll_interval=0.1)):
+        await wait_for(lambda: len(seen) == 2, what="a and b ran")
+        await asyncio.sleep(0.3)
+    assert sorted(seen) == ["a", "b"]
+    assert (await queue.stats())["c"]["queued"] == 1

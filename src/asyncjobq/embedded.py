@@ -7,7 +7,9 @@ processes asking at once share one server, and the last one to exit stops it.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,14 +24,39 @@ def embedded_home() -> Path:
     return Path(os.environ.get(HOME_ENV) or ".asyncjobq").resolve()
 
 
+def start_pgserver(pgdata: Path, cleanup_mode: str | None = "stop") -> Any:
+    """Start (or attach to) the pgserver PostgreSQL in `pgdata`.
+
+    pgserver gives `pg_ctl -w start` 10 s; on a loaded 2-core machine it has been seen to time
+    out although the server came up. Attaching again then finds the running postmaster.
+    """
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (CI, containers): harmless.
+        warnings.simplefilter("ignore")
+        import pgserver
+        from pgserver.postgres_server import PostgresServer
+
+    pgdata.mkdir(parents=True, exist_ok=True)
+    for attempt in range(3):
+        try:
+            return pgserver.get_server(pgdata, cleanup_mode=cleanup_mode)  # type: ignore[attr-defined]
+        except subprocess.TimeoutExpired:
+            # pgserver registered the half-started handle; drop it so the retry attaches anew.
+            PostgresServer._instances.pop(pgdata.resolve(), None)
+            PostgresServer._instances.pop(pgdata, None)
+            if attempt == 2:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
 def embedded_dsn(*, notice: bool = True) -> str:
     global _server
     if _server is None:
         try:
             with warnings.catch_warnings():
-                # platformdirs warns when XDG_RUNTIME_DIR is unset (CI, containers): harmless.
                 warnings.simplefilter("ignore")
-                import pgserver
+                import pgserver  # noqa: F401
         except ImportError:
             raise EmbeddedUnavailableError(
                 "no database given and the embedded PostgreSQL is not installed: "
@@ -38,9 +65,7 @@ def embedded_dsn(*, notice: bool = True) -> str:
             ) from None
         pgdata = embedded_home() / "pgdata"
         try:
-            pgdata.mkdir(parents=True, exist_ok=True)
-            _server = pgserver.get_server(  # type: ignore[attr-defined]
-                pgdata, cleanup_mode="stop")
+            _server = start_pgserver(pgdata)
         except Exception as e:
             raise EmbeddedUnavailableError(
                 f"the embedded PostgreSQL in {pgdata} did not start ({type(e).__name__}: {e}); "

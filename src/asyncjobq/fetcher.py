@@ -104,7 +104,7 @@ class Fetcher:
             query = st.job_claim_one_queue
             params: dict[str, object] = {"queue": self._queues[0]}
         else:
-            query = st.job_claim
+            query = st.job_claim_many_queues
             params = {"queues": self._queues}
         params.update(worker=self._worker_id, limit=limit)
         async with self._queue.connection() as conn:

@@ -295,7 +295,7 @@ class Queue:
 
     async def get(self, job_id: int) -> JobInfo | None:
         """The job's current row, from the live table or the history; None if unknown."""
-        _check_int("job_id", job_id)
+        _check_int("job_id", job_id, bits=64)
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_get_by_id, {"id": job_id})
             row = await cur.fetchone()
@@ -341,7 +341,7 @@ class Queue:
 
     async def cancel(self, job_id: int) -> bool:
         """Cancel a queued job; False if it is not queued (running, finished or unknown)."""
-        _check_int("job_id", job_id)
+        _check_int("job_id", job_id, bits=64)
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_cancel, (job_id,))
             return await cur.fetchone() is not None
@@ -389,11 +389,10 @@ def _schedule(
     return run_at, float(secs)
 
 
-def _check_int(what: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not -(2**31) <= value < 2**31:
-        if what == "job_id" and isinstance(value, int) and not isinstance(value, bool):
-            return
-        raise ConfigurationError(f"{what}={value!r}: use a 32-bit integer")
+def _check_int(what: str, value: object, bits: int = 32) -> None:
+    limit = 2 ** (bits - 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not -limit <= value < limit:
+        raise ConfigurationError(f"{what}={value!r}: use a {bits}-bit integer")
 
 
 def _check_max_attempts(value: object) -> None:

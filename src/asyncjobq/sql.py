@@ -164,33 +164,29 @@ class Statements:
 
     # --- worker: claim, complete, heartbeat, release, reap ---------------------------------
 
-    @property
-    def job_claim(self) -> sql.Composed:
+    def _job_claim(self, queue_predicate: str) -> sql.Composed:
         # One statement: lock the next due rows (skipping rows other workers hold) and mark
         # them running. FOR NO KEY UPDATE does not block foreign-key inserts into child tables.
         return sql.SQL(
             "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
             "   locked_at = now(), attempts = attempts + 1"
             " WHERE id IN (SELECT id FROM {s}.jobs"
-            "   WHERE queue = ANY(%(queues)s) AND status = 'queued' AND run_at <= now()"
+            "   WHERE {queue_predicate} AND status = 'queued' AND run_at <= now()"
             "   ORDER BY priority DESC, run_at, id LIMIT %(limit)s"
             "   FOR NO KEY UPDATE SKIP LOCKED)"
             " RETURNING {c}"
-        ).format(s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS))
+        ).format(s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS),
+                 queue_predicate=sql.SQL(queue_predicate))
 
     @property
     def job_claim_one_queue(self) -> sql.Composed:
-        # Equality on queue lets the planner read jobs_dequeue_idx in ORDER BY order; ANY()
-        # over several queues needs a sort.
-        return sql.SQL(
-            "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
-            "   locked_at = now(), attempts = attempts + 1"
-            " WHERE id IN (SELECT id FROM {s}.jobs"
-            "   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now()"
-            "   ORDER BY priority DESC, run_at, id LIMIT %(limit)s"
-            "   FOR NO KEY UPDATE SKIP LOCKED)"
-            " RETURNING {c}"
-        ).format(s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS))
+        # Equality on queue lets the planner read jobs_dequeue_idx in ORDER BY order.
+        return self._job_claim("queue = %(queue)s")
+
+    @property
+    def job_claim_many_queues(self) -> sql.Composed:
+        # ANY() over several queues still uses the index, but needs a sort.
+        return self._job_claim("queue = ANY(%(queues)s)")
 
     @property
     def job_set_outcome_if_running_many(self) -> sql.Composed:
