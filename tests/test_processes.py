@@ -171,7 +171,7 @@ async def enqueue_ok(q: Queue) -> bool:
 async def test_second_signal_exits_at_once(claims_queue: Queue, pg_dsn: str) -> None:
     q = claims_queue
     await q.enqueue("sleep", {"seconds": 60})
-    w = spawn_worker(pg_dsn, q.schema, "--shutdown-timeout", "60")
+    w = spawn_worker(pg_dsn, q.schema, "--shutdown-timeout", "60", "--log-level", "info")
     try:
         await wait_for(lambda: fetchval(q, "SELECT count(*) = 1 FROM {s}.claims"), timeout=30,
                        what="job running")
@@ -179,8 +179,9 @@ async def test_second_signal_exits_at_once(claims_queue: Queue, pg_dsn: str) -> 
         await wait_for(lambda: fetchval(q, "SELECT true"), timeout=1)  # let it start stopping
         t0 = time.monotonic()
         w.send_signal(signal.SIGINT)
-        w.communicate(timeout=10)
+        _, err = w.communicate(timeout=10)
         assert time.monotonic() - t0 < 5
         assert w.returncode != 0
+        assert "loop=uvloop" in err  # the CLI runs workers on uvloop when it is installed
     finally:
         stop_all([w])

@@ -39,6 +39,9 @@ class Completer:
         self._buffer: list[Outcome] = []
         self._ready = anyio.Event()
         self._first_at = 0.0
+        # run() and drain() may both flush at shutdown; each batch must be taken off the
+        # buffer by the flush that wrote it, and by no other.
+        self._flushing = anyio.Lock()
         self.refused = 0
 
     def pending_ids(self) -> list[int]:
@@ -76,32 +79,35 @@ class Completer:
 
     async def flush(self) -> None:
         """Write everything buffered now. Raises on a database error, keeping the buffer."""
-        while self._buffer:
-            batch = self._buffer[: max(self._max_batch, 500)]
-            async with self._queue.connection() as conn:
-                cur = await conn.execute(
-                    self._queue.sql.job_set_outcome_if_running_many,
-                    {
-                        "ids": [o.job_id for o in batch],
-                        "attempts": [o.attempt for o in batch],
-                        "kinds": [o.kind for o in batch],
-                        "delays": [o.delay for o in batch],
-                        "errors": [o.error for o in batch],
-                        "worker": self._worker_id,
-                    },
-                )
-                accepted = {int(r[0]) for r in await cur.fetchall()}
-            del self._buffer[: len(batch)]
-            if self._buffer:
-                self._first_at = time.monotonic()
-            for o in batch:
-                if o.job_id not in accepted:
-                    self.refused += 1
-                    log.warning(
-                        "job %s attempt %s: outcome %r refused, the job is no longer held by "
-                        "this worker (its lease expired and it was reaped); another attempt "
-                        "owns it now", o.job_id, o.attempt, o.kind)
-            self._on_written(batch)
+        async with self._flushing:
+            while self._buffer:
+                await self._flush_batch(self._buffer[: max(self._max_batch, 500)])
+
+    async def _flush_batch(self, batch: list[Outcome]) -> None:
+        async with self._queue.connection() as conn:
+            cur = await conn.execute(
+                self._queue.sql.job_set_outcome_if_running_many,
+                {
+                    "ids": [o.job_id for o in batch],
+                    "attempts": [o.attempt for o in batch],
+                    "kinds": [o.kind for o in batch],
+                    "delays": [o.delay for o in batch],
+                    "errors": [o.error for o in batch],
+                    "worker": self._worker_id,
+                },
+            )
+            accepted = {int(r[0]) for r in await cur.fetchall()}
+        del self._buffer[: len(batch)]
+        if self._buffer:
+            self._first_at = time.monotonic()
+        for o in batch:
+            if o.job_id not in accepted:
+                self.refused += 1
+                log.warning(
+                    "job %s attempt %s: outcome %r refused, the job is no longer held by "
+                    "this worker (its lease expired and it was reaped); another attempt "
+                    "owns it now", o.job_id, o.attempt, o.kind)
+        self._on_written([o for o in batch if o.job_id in accepted])
 
     async def drain(self, timeout: float) -> bool:
         """Shutdown: flush until empty or `timeout` passes; True when everything was written."""

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -143,8 +144,10 @@ class Worker:
         reaper = self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval)
         if self._stop_requested:
             fetcher.stop()
-        log.info("worker %s started: queues=%s concurrency=%d batch=%d lease=%.1fs",
-                 self.id, ",".join(self.queues), self.concurrency, self.batch_size, self.lease)
+        loop = type(asyncio.get_running_loop())
+        log.info("worker %s started: queues=%s concurrency=%d batch=%d lease=%.1fs loop=%s.%s",
+                 self.id, ",".join(self.queues), self.concurrency, self.batch_size, self.lease,
+                 loop.__module__, loop.__qualname__)
         async with anyio.create_task_group() as services:
             services.start_soon(completer.run)
             services.start_soon(heartbeat.run)
