@@ -84,13 +84,30 @@ CREATE TRIGGER jobs_notify AFTER INSERT ON jobs
   FOR EACH STATEMENT EXECUTE FUNCTION jobs_notify();
 
 -- The same enqueue from SQL for any language: SELECT <schema>.enqueue('send_email', '{}');
+-- A live duplicate dedup_key returns the existing job's id, as Queue.enqueue does.
 CREATE FUNCTION enqueue(
   task text, payload jsonb DEFAULT '{}', queue text DEFAULT 'default', priority int DEFAULT 0,
   run_at timestamptz DEFAULT now(), max_attempts int DEFAULT 3, dedup_key text DEFAULT NULL
-) RETURNS bigint LANGUAGE sql SET search_path FROM CURRENT AS $$
-  INSERT INTO jobs (task, payload, queue, priority, run_at, max_attempts, dedup_key)
-  VALUES (task, payload, queue, priority, run_at, max_attempts, dedup_key)
-  ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('queued', 'running')
-  DO UPDATE SET dedup_key = EXCLUDED.dedup_key
-  RETURNING id;
+) RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+#variable_conflict use_column
+DECLARE
+  new_id bigint;
+BEGIN
+  LOOP
+    INSERT INTO jobs (task, payload, queue, priority, run_at, max_attempts, dedup_key)
+    VALUES (enqueue.task, enqueue.payload, enqueue.queue, enqueue.priority, enqueue.run_at,
+            enqueue.max_attempts, enqueue.dedup_key)
+    ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND status IN ('queued', 'running')
+    DO NOTHING
+    RETURNING id INTO new_id;
+    IF new_id IS NOT NULL THEN
+      RETURN new_id;
+    END IF;
+    SELECT j.id INTO new_id FROM jobs j
+     WHERE j.dedup_key = enqueue.dedup_key AND j.status IN ('queued', 'running');
+    IF new_id IS NOT NULL THEN
+      RETURN new_id;
+    END IF;
+  END LOOP;
+END
 $$;

@@ -18,6 +18,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from . import migrations
 from .dsn import redact, resolve_dsn, validate_schema
 from .errors import (
+    AsyncJobQError,
     ConfigurationError,
     DatabaseUnavailableError,
     InvalidPayloadError,
@@ -234,13 +235,17 @@ class Queue:
         when, secs = _schedule(run_at, delay)
         if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
             raise ConfigurationError(f"dedup_key={dedup_key!r}: use a non-empty string, or None")
+        params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
+                  "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key}
         async with self._conn(conn) as c:
-            cur = await c.execute(
-                self.sql.job_insert, (name, body, q, prio, when, secs, attempts, dedup_key)
-            )
-            row = await cur.fetchone()
-        assert row is not None
-        return int(row[0])
+            for _ in range(10):
+                cur = await c.execute(self.sql.job_insert, params)
+                row = await cur.fetchone()
+                if row is not None:
+                    return int(row[0])
+                # The duplicate committed after our snapshot, or finished meanwhile: look again.
+        raise AsyncJobQError(f"enqueue with dedup_key={dedup_key!r} kept racing with other "
+                             "writers of that key: try again")
 
     async def enqueue_many(
         self,

@@ -71,15 +71,24 @@ class Statements:
 
     @property
     def job_insert(self) -> sql.Composed:
-        # DO UPDATE (a no-op write) rather than DO NOTHING so that a duplicate dedup_key returns
-        # the existing job's id in the same statement, race-free.
+        # A live duplicate dedup_key returns the existing job's id. DO NOTHING (not a no-op
+        # DO UPDATE) keeps producers free of UPDATE privilege; when the duplicate was committed
+        # after this statement's snapshot, no id comes back and the caller runs it again.
         return _q(
-            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts, dedup_key)"
-            " VALUES (%s, %s, %s, %s, coalesce(%s, now()) + make_interval(secs => %s), %s, %s)"
+            "WITH ins AS ("
+            " INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts,"
+            "   dedup_key)"
+            " VALUES (%(task)s, %(payload)s, %(queue)s, %(priority)s,"
+            "   coalesce(%(run_at)s, now()) + make_interval(secs => %(delay)s),"
+            "   %(max_attempts)s, %(dedup_key)s)"
             " ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL"
-            "   AND status IN ('queued', 'running')"
-            " DO UPDATE SET dedup_key = EXCLUDED.dedup_key"
-            " RETURNING id",
+            "   AND status IN ('queued', 'running') DO NOTHING"
+            " RETURNING id)"
+            " SELECT id FROM ins"
+            " UNION ALL"
+            " SELECT id FROM {s}.jobs WHERE dedup_key = %(dedup_key)s"
+            "   AND status IN ('queued', 'running') AND NOT EXISTS (SELECT FROM ins)"
+            " LIMIT 1",
             self.schema,
         )
 
