@@ -142,6 +142,9 @@ def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int, leas
     queue = load_app(app)
     if dsn:
         queue.set_dsn(dsn)
+    if queue.application_name == "asyncjobq":
+        # Tells workers from producers in pg_stat_activity.
+        queue.application_name = "asyncjobq-worker"
     w = Worker(queue, queues=queues or ("default",), concurrency=concurrency, batch_size=batch,
                lease=lease, poll_interval=poll_interval, shutdown_timeout=shutdown_timeout,
                name=name, listen=not no_listen)

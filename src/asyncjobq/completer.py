@@ -46,7 +46,7 @@ class Completer:
 
     def pending_ids(self) -> list[int]:
         """Jobs whose outcome is not written yet: still running in the table, still heartbeated."""
-        return [o.job_id for o in self._buffer]
+        return [o.job_id for o in tuple(self._buffer)]  # tuple(): safe from another thread
 
     def add(self, outcome: Outcome) -> None:
         if not self._buffer:

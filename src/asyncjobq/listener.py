@@ -30,12 +30,14 @@ class Listener:
         on_connect: Callable[[], None],
         *,
         keepalive: float = 10.0,
+        application_name: str = "asyncjobq-listen",
     ) -> None:
         self._dsn = dsn
         self._channel = channel
         self._on_notify = on_notify
         self._on_connect = on_connect
         self._keepalive = keepalive
+        self._application_name = application_name
         self.connected = anyio.Event()
         self.connects = 0
         self.backend_pid: int | None = None
@@ -56,7 +58,8 @@ class Listener:
             backoff = 0.1
 
     async def _listen(self) -> None:
-        conn = await AsyncConnection.connect(self._dsn, autocommit=True, connect_timeout=10)
+        conn = await AsyncConnection.connect(self._dsn, autocommit=True, connect_timeout=10,
+                                             application_name=self._application_name)
         try:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
             self.backend_pid = conn.info.backend_pid

@@ -43,6 +43,7 @@ class Queue:
         pool_min_size: int = 1,
         pool_max_size: int = 10,
         connect_timeout: float = 10.0,
+        application_name: str = "asyncjobq",
     ) -> None:
         self.schema = validate_schema(schema)
         if pool_min_size < 0 or pool_max_size < max(1, pool_min_size):
@@ -54,6 +55,8 @@ class Queue:
         self._dsn: str | None = None
         self._pool_sizes = (pool_min_size, pool_max_size)
         self._connect_timeout = connect_timeout
+        # Shown in pg_stat_activity; the worker's own connections append -listen, -heartbeat.
+        self.application_name = application_name
         self._pool: AsyncConnectionPool[Conn] | None = None
         self.tasks: dict[str, Task] = {}
         self.sql: Statements = statements(self.schema)
@@ -122,7 +125,9 @@ class Queue:
         # One direct attempt first: an unreachable server fails in seconds with the driver's
         # reason, instead of a pool timeout that hides it.
         try:
-            probe = await AsyncConnection.connect(dsn, connect_timeout=int(self._connect_timeout))
+            probe = await AsyncConnection.connect(
+                dsn, connect_timeout=int(self._connect_timeout),
+                application_name=self.application_name)
             await probe.close()
         except psycopg.OperationalError as e:
             raise DatabaseUnavailableError(
@@ -134,7 +139,7 @@ class Queue:
             dsn,
             min_size=lo,
             max_size=hi,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, "application_name": self.application_name},
             open=False,
             check=AsyncConnectionPool.check_connection,
             name=f"asyncjobq-{self.schema}",

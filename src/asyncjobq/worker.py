@@ -139,7 +139,7 @@ class Worker:
             on_written=self._written)
         heartbeat = self.heartbeat = Heartbeat(
             self.queue, self.id, lease=self.lease, held_ids=self._held_ids,
-            running_tasks=lambda: [r.job.task for r in self._running.values()],
+            running_tasks=lambda: [r.job.task for r in tuple(self._running.values())],
             on_lost=self._lease_lost)
         reaper = self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval)
         if self._stop_requested:
@@ -148,20 +148,29 @@ class Worker:
         log.info("worker %s started: queues=%s concurrency=%d batch=%d lease=%.1fs loop=%s.%s",
                  self.id, ",".join(self.queues), self.concurrency, self.batch_size, self.lease,
                  loop.__module__, loop.__qualname__)
+        heartbeat.start()
+        try:
+            await self._serve(fetcher, completer, heartbeat, reaper)
+        finally:
+            heartbeat.stop()
+        log.info("worker %s stopped: %d job(s) completed, %d outcome(s) refused", self.id,
+                 self.completed, completer.refused)
+
+    async def _serve(self, fetcher: Fetcher, completer: Completer, heartbeat: Heartbeat,
+                     reaper: Reaper) -> None:
         async with anyio.create_task_group() as services:
             services.start_soon(completer.run)
-            services.start_soon(heartbeat.run)
+            services.start_soon(heartbeat.tick)
             services.start_soon(reaper.run)
             if self.listen:
-                self.listener = Listener(self.queue.dsn, self.queue.channel, fetcher.notify,
-                                         fetcher.wakeup.set)
+                self.listener = Listener(
+                    self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.wakeup.set,
+                    application_name=f"{self.queue.application_name}-listen")
                 services.start_soon(self.listener.run)
             async with anyio.create_task_group() as handlers:
                 self._handlers = handlers
                 handlers.start_soon(self._fetch_then_shutdown, fetcher, completer)
             services.cancel_scope.cancel()
-        log.info("worker %s stopped: %d job(s) completed, %d outcome(s) refused", self.id,
-                 self.completed, completer.refused)
 
     async def _fetch_then_shutdown(self, fetcher: Fetcher, completer: Completer) -> None:
         assert self._stop is not None
@@ -222,8 +231,10 @@ class Worker:
                 self.fetcher.wakeup.at(time.monotonic() + o.delay)
 
     def _held_ids(self) -> list[int]:
+        # Called from the heartbeat thread too: tuple() copies without running Python code,
+        # so the loop cannot change the dict mid-copy.
         assert self.completer is not None
-        return list(self._running) + self.completer.pending_ids()
+        return [*tuple(self._running), *self.completer.pending_ids()]
 
     def _lease_lost(self, ids: set[int]) -> None:
         for job_id in ids:
