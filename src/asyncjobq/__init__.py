@@ -10,7 +10,6 @@ from .errors import (
     QueueClosedError,
     SchemaNotInstalledError,
     SchemaVersionError,
-    UnknownTaskError,
 )
 from .job import Fail, Job, JobInfo, Retry
 from .queue import Queue
@@ -35,7 +34,6 @@ __all__ = [
     "SchemaNotInstalledError",
     "SchemaVersionError",
     "Task",
-    "UnknownTaskError",
     "Worker",
     "__version__",
 ]

@@ -20,7 +20,7 @@ import click
 import psycopg
 
 from . import runtime
-from .errors import AppImportError, AsyncJobQError
+from .errors import AppImportError, AsyncJobQError, reason
 from .queue import Queue
 from .worker import Worker
 
@@ -43,8 +43,7 @@ def _guard(fn: F) -> F:
         except AsyncJobQError as e:
             _fail(str(e))
         except psycopg.Error as e:
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            _fail(f"database error: {text}")
+            _fail(f"database error: {reason(e)}")
         except KeyboardInterrupt:
             _fail("interrupted", 130)
 
@@ -85,11 +84,13 @@ def load_app(app: str) -> Queue:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise AppImportError(
                 f"cannot import {module_name!r} ({e}): run from the directory that contains "
                 "it, or add that directory to PYTHONPATH") from None
-        raise AppImportError(f"importing {module_name!r} failed: {e}") from None
+        raise AppImportError(
+            f"importing {module_name!r} failed: {e}: install the missing package or fix the "
+            "import in the module") from None
     except Exception as e:
         where = ""
         tb = e.__traceback__

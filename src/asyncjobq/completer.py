@@ -15,6 +15,7 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from .errors import reason
 from .outcome import Outcome
 from .queue import Queue
 
@@ -72,7 +73,7 @@ class Completer:
                 backoff = 0.05
             except (psycopg.OperationalError, PoolTimeout) as e:
                 log.warning("writing %d outcome(s) failed (%s); retrying in %.1f s",
-                            len(self._buffer), str(e).strip().splitlines()[0] if str(e) else e,
+                            len(self._buffer), reason(e),
                             backoff)
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -116,7 +117,7 @@ class Completer:
                 try:
                     await self.flush()
                 except (psycopg.OperationalError, PoolTimeout) as e:
-                    log.warning("final flush failed (%s); retrying", e)
+                    log.warning("final flush failed (%s); retrying", reason(e))
                     await anyio.sleep(0.2)
         if self._buffer:
             log.error("%d outcome(s) not written at shutdown; those jobs will be reaped after "

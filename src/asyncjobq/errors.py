@@ -35,9 +35,16 @@ class QueueClosedError(AsyncJobQError):
     """The Queue's pool is not open."""
 
 
-class UnknownTaskError(AsyncJobQError):
-    """A task name that no handler is registered for."""
-
-
 class AppImportError(AsyncJobQError):
     """The worker's APP (module:attribute) cannot be imported or is not a Queue."""
+
+
+def reason(e: BaseException) -> str:
+    """One line saying why a database call failed, for logs and CLI errors."""
+    from psycopg_pool import PoolTimeout
+
+    if isinstance(e, PoolTimeout):
+        return ("no database connection became available in time; the server may be refusing "
+                "new connections (check max_connections and other clients) or be down")
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

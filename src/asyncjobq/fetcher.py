@@ -14,6 +14,7 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from .errors import reason
 from .job import Job
 from .queue import Queue
 
@@ -133,7 +134,7 @@ class Fetcher:
                 backoff = 0.1
             except (psycopg.OperationalError, PoolTimeout) as e:
                 log.warning("claiming jobs failed (%s); retrying in %.1f s",
-                            str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+                            reason(e),
                             backoff)
                 await self.wakeup.wait(backoff)
                 backoff = min(backoff * 2, 5.0)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from .errors import reason
 from .queue import Queue
 
 log = logging.getLogger("asyncjobq.worker")
@@ -114,7 +115,7 @@ class Heartbeat:
             kept = {int(r[0]) for r in cur.fetchall()}  # type: ignore[call-overload]
         except psycopg.Error as e:
             log.warning("heartbeat failed (%s); jobs will be reaped if this lasts %.0f s",
-                        str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+                        reason(e),
                         self._lease)
             if conn is not None:
                 conn.close()

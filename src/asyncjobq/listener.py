@@ -17,6 +17,7 @@ import psycopg
 from psycopg import AsyncConnection, sql
 
 from .dsn import redact
+from .errors import reason
 
 log = logging.getLogger("asyncjobq.worker")
 
@@ -49,9 +50,8 @@ class Listener:
                 await self._listen()
             except (psycopg.OperationalError, psycopg.InterfaceError, OSError) as e:
                 self.backend_pid = None
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 log.warning("LISTEN connection to %s lost (%s); reconnecting in %.1f s",
-                            redact(self._dsn), reason, backoff)
+                            redact(self._dsn), reason(e), backoff)
                 await anyio.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, 5.0)
                 continue

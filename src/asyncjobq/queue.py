@@ -24,6 +24,7 @@ from .errors import (
     InvalidPayloadError,
     QueueClosedError,
     SchemaNotInstalledError,
+    reason,
 )
 from .job import STATUSES, JobInfo
 from .sql import Statements, statements
@@ -131,7 +132,7 @@ class Queue:
             await probe.close()
         except psycopg.OperationalError as e:
             raise DatabaseUnavailableError(
-                f"cannot connect to PostgreSQL at {redact(dsn)}: {_first_line(e)}; check that "
+                f"cannot connect to PostgreSQL at {redact(dsn)}: {reason(e)}; check that "
                 "the server is running and the DSN is right (--dsn or $ASYNCJOBQ_DSN)"
             ) from None
         lo, hi = self._pool_sizes
@@ -204,7 +205,7 @@ class Queue:
         except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName,
                 psycopg.errors.UndefinedObject) as e:
             raise SchemaNotInstalledError(
-                f"schema {self.schema} is not installed ({_first_line(e)}): run "
+                f"schema {self.schema} is not installed ({reason(e)}): run "
                 "`python -m asyncjobq install` (or `await queue.install()`)"
             ) from None
 
@@ -355,11 +356,6 @@ class Queue:
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_cancel, (job_id,))
             return await cur.fetchone() is not None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _encode_payload(payload: object, index: int | None = None) -> str:

@@ -12,6 +12,7 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from .errors import reason
 from .queue import Queue
 
 log = logging.getLogger("asyncjobq.worker")
@@ -33,7 +34,7 @@ class Reaper:
                 await self.reap()
             except (psycopg.OperationalError, PoolTimeout) as e:
                 log.warning("reaper turn failed (%s); trying again in %.0f s",
-                            str(e).strip().splitlines()[0] if str(e).strip() else e,
+                            reason(e),
                             self.interval)
 
     async def reap(self) -> int:
