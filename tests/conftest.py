@@ -104,8 +104,8 @@ async def execute(q: Queue, query: str, *params: Any) -> None:
 def spawn_worker(dsn: str, schema: str, *args: str, app: str = "apps.testapp:queue",
                  env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """A worker process started the way users start one: `python -m asyncjobq worker APP`."""
-    full_env = dict(os.environ, ASYNCJOBQ_DSN=dsn, ASYNCJOBQ_TEST_SCHEMA=schema,
-                    PYTHONPATH=str(TESTS), **(env or {}))
+    full_env = {**os.environ, "ASYNCJOBQ_DSN": dsn, "ASYNCJOBQ_TEST_SCHEMA": schema,
+                "PYTHONPATH": str(TESTS), **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "asyncjobq", "worker", app, "--log-level", "warning", *args],
         cwd=TESTS, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -119,3 +119,18 @@ def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = Non
         full_env["ASYNCJOBQ_DSN"] = dsn
     return subprocess.run([sys.executable, "-m", "asyncjobq", *args], cwd=TESTS, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def private_server(tmp_path: Path) -> Iterator[Any]:
+    """A PostgreSQL of the test's own, so that the test may restart it."""
+    server = _start_embedded(tmp_path / "restartable")
+    yield server
+    server.cleanup()
+
+
+def restart(server: Any, mode: str) -> None:
+    from pgserver._commands import pg_ctl
+
+    pg_ctl(["-w", "-m", mode, "restart"], pgdata=server.pgdata, user=server.system_user,
+           timeout=60)

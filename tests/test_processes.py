@@ -7,13 +7,11 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from claims import CREATE_CLAIMS, DOUBLE_CLAIMS
-from conftest import _start_embedded, execute, fetchval, running, spawn_worker, wait_for
+from conftest import execute, fetchval, restart, running, spawn_worker, wait_for
 
 from asyncjobq import Job, Queue, Worker
 
@@ -110,21 +108,6 @@ async def test_sigterm_with_jobs_in_flight_leaves_nothing_running(
             assert await status_is(q, i, "done")
     finally:
         stop_all([w])
-
-
-@pytest.fixture
-def private_server(tmp_path: Path) -> Iterator[Any]:
-    """A PostgreSQL of our own, so the test may restart it."""
-    server = _start_embedded(tmp_path / "restartable")
-    yield server
-    server.cleanup()
-
-
-def restart(server: Any, mode: str) -> None:
-    from pgserver._commands import pg_ctl
-
-    pg_ctl(["-w", "-m", mode, "restart"], pgdata=server.pgdata, user=server.system_user,
-           timeout=60)
 
 
 @pytest.mark.timeout(180)

@@ -145,7 +145,6 @@ class Queue:
             check=AsyncConnectionPool.check_connection,
             name=f"asyncjobq-{self.schema}",
             timeout=30.0,
-            reconnect_timeout=0,  # keep trying forever: a restarted database comes back
         )
         try:
             await pool.open(wait=True, timeout=self._connect_timeout)
