@@ -131,7 +131,7 @@ class Statements:
             " (SELECT count(*) FROM {s}.jobs j WHERE j.queue = q.queue AND j.status = 'running'"
             "   AND j.locked_at < now() - make_interval(secs => %s)),"
             " (SELECT count(*) FROM {s}.jobs_history h WHERE h.queue = q.queue"
-            "   AND h.finished_at > now() - interval '1 minute')"
+            "   AND h.status = 'done' AND h.finished_at > now() - interval '1 minute')"
             " FROM (SELECT DISTINCT queue FROM {s}.jobs"
             "       UNION SELECT DISTINCT queue FROM {s}.jobs_history"
             "       WHERE finished_at > now() - interval '1 minute') q",
