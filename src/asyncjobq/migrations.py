@@ -45,6 +45,15 @@ def latest_version() -> int:
     return max(m.version for m in available())
 
 
+def _refuse_newer(done: set[int], schema: str) -> None:
+    newest = latest_version()
+    if done and max(done) > newest:
+        raise SchemaVersionError(
+            f"schema {schema} is at version {max(done)}, newer than this asyncjobq "
+            f"(knows up to {newest}): upgrade asyncjobq (pip install -U asyncjobq)"
+        )
+
+
 async def apply(conn: psycopg.AsyncConnection[Any], schema: str) -> list[int]:
     """Apply the missing migrations in one transaction; returns the versions applied.
 
@@ -58,12 +67,7 @@ async def apply(conn: psycopg.AsyncConnection[Any], schema: str) -> list[int]:
         await conn.execute(st.migrations_table_create)
         cur = await conn.execute(st.migration_versions)
         done = {int(v) for (v,) in await cur.fetchall()}
-        newest = latest_version()
-        if done and max(done) > newest:
-            raise SchemaVersionError(
-                f"schema {schema} is at version {max(done)}, newer than this asyncjobq "
-                f"(knows up to {newest}): upgrade asyncjobq (pip install -U asyncjobq)"
-            )
+        _refuse_newer(done, schema)
         await conn.execute(st.search_path_set_local)
         for m in available():
             if m.version in done:
@@ -86,12 +90,7 @@ async def check(conn: psycopg.AsyncConnection[Any], schema: str) -> None:
         )
     cur = await conn.execute(st.migration_versions)
     done = {int(v) for (v,) in await cur.fetchall()}
-    newest = latest_version()
-    if done and max(done) > newest:
-        raise SchemaVersionError(
-            f"schema {schema} is at version {max(done)}, newer than this asyncjobq "
-            f"(knows up to {newest}): upgrade asyncjobq (pip install -U asyncjobq)"
-        )
+    _refuse_newer(done, schema)
     missing = [m.version for m in available() if m.version not in done]
     if missing:
         raise SchemaNotInstalledError(
