@@ -20,7 +20,8 @@ import click
 import psycopg
 
 from . import runtime
-from .errors import AppImportError, AsyncJobQError, reason
+from .dsn import check_dsn
+from .errors import AppImportError, AsyncJobQError, ConfigurationError, reason
 from .queue import Queue
 from .worker import Worker
 
@@ -50,10 +51,20 @@ def _guard(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _dsn_param(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    # A typo in --dsn is a usage mistake (exit 2), not a connection failure.
+    if value:
+        try:
+            check_dsn(value)
+        except ConfigurationError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
 def _db_options(fn: F) -> F:
     fn = click.option("--schema", default="asyncjobq", show_default=True,
                       help="PostgreSQL schema holding the queue tables.")(fn)
-    fn = click.option("--dsn", default=None, metavar="DSN",
+    fn = click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
                       help="PostgreSQL DSN; else $ASYNCJOBQ_DSN; else the embedded server.")(fn)
     return fn
 
@@ -70,6 +81,14 @@ def main() -> None:
 
 
 # --- worker ----------------------------------------------------------------------------------
+
+
+def _app_param(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    module_name, colon, attr = value.partition(":")
+    if not colon or not module_name or not attr:
+        raise click.BadParameter(
+            f"{value!r} is not module:attribute: use e.g. `myapp.jobs:queue`")
+    return value
 
 
 def load_app(app: str) -> Queue:
@@ -116,7 +135,7 @@ def load_app(app: str) -> Queue:
 
 
 @main.command()
-@click.argument("app")
+@click.argument("app", callback=_app_param)
 @click.option("--queue", "queues", multiple=True, metavar="Q",
               help="Queue to serve (repeatable). Default: default.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=20, show_default=True)
@@ -132,7 +151,7 @@ def load_app(app: str) -> Queue:
 @click.option("--no-listen", is_flag=True, help="Poll only; no LISTEN connection.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
-@click.option("--dsn", default=None, metavar="DSN",
+@click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
               help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
 @_guard
 def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int, lease: float,
@@ -301,7 +320,7 @@ def cancel(job_id: int, dsn: str | None, schema: str) -> None:
 @click.option("--jobs", type=click.IntRange(min=1, max=1_000_000), default=3000,
               show_default=True)
 @click.option("--workers", type=click.IntRange(min=1, max=16), default=2, show_default=True)
-@click.option("--dsn", default=None, metavar="DSN",
+@click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
               help="PostgreSQL DSN; else $ASYNCJOBQ_DSN; else the embedded server.")
 @_guard
 def demo(jobs: int, workers: int, dsn: str | None) -> None:

@@ -28,12 +28,20 @@ def validate_schema(schema: str) -> str:
 def check_dsn(dsn: str) -> str:
     """Parse the DSN now, so a typo is reported as such rather than as a connection failure."""
     try:
-        conninfo_to_dict(dsn)
+        params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as e:
         raise ConfigurationError(
             f"the DSN {redact(dsn)!r} is malformed ({str(e).strip()}): use a URI like "
             "postgresql://user@host:5432/dbname or key=value pairs like 'host=... dbname=...'"
         ) from None
+    # libpq parses any port and only rejects a non-number when connecting, where it would
+    # read as "cannot connect" rather than as the typo it is.
+    port = params.get("port")
+    if isinstance(port, str) and any(not re.fullmatch(r"[0-9]*", p) for p in port.split(",")):
+        raise ConfigurationError(
+            f"the DSN {redact(dsn)!r} is malformed (port {port!r} is not a number): use a URI "
+            "like postgresql://user@host:5432/dbname or key=value pairs like 'host=... port=5432'"
+        )
     return dsn
 
 
