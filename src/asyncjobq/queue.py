@@ -213,7 +213,14 @@ class Queue:
     async def install(self) -> list[int]:
         """Apply the sql/ migrations not yet applied; returns their versions. Idempotent."""
         async with self.pool.connection() as conn:
-            return await migrations.apply(conn, self.schema)
+            try:
+                return await migrations.apply(conn, self.schema)
+            except psycopg.errors.InsufficientPrivilege as e:
+                raise AsyncJobQError(
+                    f"this role may not install schema {self.schema} ({reason(e)}): run install "
+                    "as the schema's owner, a role with CREATE on the database (README: "
+                    "Least-privilege roles)"
+                ) from None
 
     # --- enqueue ---------------------------------------------------------------------------
 
@@ -238,8 +245,10 @@ class Queue:
         name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
         body = _encode_payload(payload)
         when, secs = _schedule(run_at, delay)
-        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
-            raise ConfigurationError(f"dedup_key={dedup_key!r}: use a non-empty string, or None")
+        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key
+                                      or not _storable(dedup_key)):
+            raise ConfigurationError(f"dedup_key={dedup_key!r}: use a non-empty string without "
+                                     "NUL or unpaired surrogates, or None")
         params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
                   "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key}
         async with self._conn(conn) as c:
@@ -327,6 +336,10 @@ class Queue:
         self, queue: str | None = None, task: str | None = None, error_like: str | None = None
     ) -> int:
         """Requeue dead-lettered (failed) jobs, attempts reset; returns how many."""
+        for what, value in (("queue", queue), ("task", task), ("error_like", error_like)):
+            if value is not None and (not isinstance(value, str) or not _storable(value)):
+                raise ConfigurationError(f"{what}={value!r}: use a string without NUL or "
+                                         "unpaired surrogates, or None")
         async with self._conn(None) as c:
             cur = await c.execute(
                 self.sql.job_retry_failed,
@@ -367,12 +380,48 @@ def _encode_payload(payload: object, index: int | None = None) -> str:
             "wrap the value, e.g. {'value': ...}"
         )
     try:
-        return json.dumps(payload, allow_nan=False, separators=(",", ":"))
+        body = json.dumps(payload, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as e:
         raise InvalidPayloadError(
             f"{where} is not JSON-serialisable ({e}): pass only dicts, lists, str, int, "
             "finite float, bool and None (convert dates, Decimals and objects first)"
         ) from None
+    # jsonb refuses \u0000 and unpaired surrogates with a bare psycopg error; both show up
+    # in the ASCII-escaped text, so only then is the payload walked to name the culprit.
+    if "\\u0000" in body or "\\ud" in body:
+        bad = _unstorable_string(payload)
+        if bad is not None:
+            raise InvalidPayloadError(
+                f"{where} contains the string {bad!r}, which PostgreSQL cannot store (NUL or "
+                "an unpaired surrogate): remove the character, or send binary data as base64"
+            )
+    return body
+
+
+def _storable(text: str) -> bool:
+    """Whether PostgreSQL text can hold it: no NUL, and valid UTF-8 (no lone surrogates)."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unstorable_string(value: object) -> str | None:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not _storable(v):
+                return v if len(v) <= 40 else v[:40] + "..."
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return None
 
 
 def _schedule(
@@ -408,10 +457,10 @@ def _check_max_attempts(value: object) -> None:
 
 
 def _check_name(what: str, value: object, example: str) -> None:
-    if not isinstance(value, str) or not value or len(value) > 200 or "\x00" in value:
+    if not isinstance(value, str) or not value or len(value) > 200 or not _storable(value):
         raise ConfigurationError(
             f"{what} {value!r} is invalid: use a non-empty string of at most 200 characters "
-            f"without NUL (e.g. {example!r})"
+            f"without NUL or unpaired surrogates (e.g. {example!r})"
         )
 
 

@@ -26,7 +26,7 @@ from .heartbeat import Heartbeat
 from .job import Job
 from .listener import Listener
 from .outcome import Outcome
-from .queue import Queue, _check_queue_name
+from .queue import Queue, _check_name, _check_queue_name
 from .reaper import Reaper
 
 log = logging.getLogger("asyncjobq.worker")
@@ -85,6 +85,8 @@ class Worker:
         self.listen = listen
         self.flush_interval = flush_interval
         self.reap_interval = reap_interval if reap_interval is not None else min(5.0, lease / 2)
+        if name is not None:
+            _check_name("worker name", name, "web-1")
         # locked_by: unique per run, so a restarted worker of the same name is fenced off from
         # its predecessor's stale attempts.
         base = name or f"{socket.gethostname()}-{os.getpid()}"
