@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import click
 import psycopg
 
-from . import runtime
+from . import migrations, runtime
 from .dsn import check_dsn
 from .errors import AppImportError, AsyncJobQError, ConfigurationError, reason
 from .queue import Queue
@@ -263,6 +263,9 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
     """Per queue: counts by status, oldest queued age, stale running, last-minute throughput."""
 
     async def gather(q: Queue) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
+        # Counts read from a schema of another version could be wrong; say so instead.
+        async with q.connection() as conn:
+            await migrations.check(conn, q.schema)
         return await q.stats(), await q.health(lease)
 
     counts, health = _with_queue(dsn, schema, gather)
