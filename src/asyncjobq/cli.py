@@ -1,4 +1,5 @@
-"""`python -m asyncjobq`: worker, install, enqueue, status, retry-failed, cancel, demo.
+"""`python -m asyncjobq`: worker, install, enqueue, status, retry-failed, cancel, prune, doctor,
+demo.
 
 Mistakes exit 2 (usage) or 1 (runtime) with one line on stderr that says what to do.
 """
@@ -10,6 +11,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -317,6 +319,121 @@ def cancel(job_id: int, dsn: str | None, schema: str) -> None:
     if not ok:
         _fail(f"job {job_id} is not queued (unknown, running or finished): nothing cancelled")
     click.echo(f"cancelled job {job_id}")
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """`90`, `45s`, `30m`, `12h`, `7d` or combined (`1d12h`), as seconds."""
+
+    name = "DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        text = str(value).strip().lower()
+        try:
+            total = float(text)
+        except ValueError:
+            parts = _DURATION_RE.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                self.fail(f"{value!r} is not a duration: use e.g. 90 (seconds), 30m, 12h, 7d "
+                          "or 1d12h", param, ctx)
+            total = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        if not total > 0:
+            self.fail(f"{value!r}: use a duration greater than 0", param, ctx)
+        return total
+
+
+def _human(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+@main.command()
+@click.option("--older-than", type=Duration(), default=None,
+              help="Delete finished jobs older than this (e.g. 7d). Default: the 1-day "
+                   "retention workers apply.")
+@click.option("--queue", default=None, help="Only this queue.")
+@click.option("--failed", is_flag=True,
+              help="Also delete failed (dead-lettered) jobs older than --older-than.")
+@_db_options
+@_guard
+def prune(older_than: float | None, queue: str | None, failed: bool, dsn: str | None,
+          schema: str) -> None:
+    """Delete finished (done, cancelled) jobs from history past retention, in small batches."""
+    if failed and older_than is None:
+        raise click.UsageError("--failed needs --older-than: failed jobs are kept until you say "
+                               "how old they must be, e.g. --failed --older-than 30d")
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("pruning in batches of a few thousand rows..."):
+        deleted = _with_queue(dsn, schema, lambda q: q.prune(older_than, queue=queue,
+                                                             failed=failed))
+    kinds = "finished and failed" if failed else "finished"
+    age = _human(older_than) if older_than is not None else "the default retention (1d)"
+    per_queue = ", ".join(f"{q}={n}" for q, n in sorted(deleted.items()))
+    click.echo(f"deleted {sum(deleted.values())} {kinds} job(s) older than {age}"
+               + (f": {per_queue}" if per_queue else ""))
+
+
+_LEVEL_STYLE = {"ok": "green", "warning": "yellow", "problem": "bold red"}
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--lease", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Running jobs not heartbeated this long count as stale.")
+@click.option("--xmin-age", type=Duration(), default=60.0, show_default=True,
+              help="Transactions open longer than this are reported as pinning the xmin horizon.")
+@_db_options
+@_guard
+def doctor(as_json: bool, lease: float, xmin_age: float, dsn: str | None, schema: str) -> None:
+    """Health of the queue tables: bloat, vacuum, indexes, the claim's plan, xmin, NOTIFY.
+
+    Exits 1 when a problem is found, so it can gate a deploy or page someone.
+    """
+    from .doctor import diagnose
+
+    report = _with_queue(dsn, schema, lambda q: diagnose(q, lease=lease, xmin_age=xmin_age))
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
+    else:
+        _print_doctor(report)
+    if not report.healthy:
+        sys.exit(1)
+
+
+def _print_doctor(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    tables = Table(title=f"asyncjobq schema {report.schema} (PostgreSQL {report.server_version})")
+    tables.add_column("table", no_wrap=True)
+    for col in ("live", "dead", "size", "indexes", "last autovacuum", "vacuums"):
+        tables.add_column(col, justify="right")
+    for t in report.tables:
+        tables.add_row(t["table"], str(t["live_tuples"]), str(t["dead_tuples"]),
+                       f"{t['table_bytes'] / 1024:.0f} kB", f"{t['indexes_bytes'] / 1024:.0f} kB",
+                       str(t["last_autovacuum"] or "never")[:19], str(t["autovacuum_count"]))
+    console.print(tables)
+    # Findings are sentences with a fix each: one per line reads better than a narrow table.
+    for f in report.findings:
+        style = _LEVEL_STYLE.get(f.level, "")
+        console.print(f"[{style}]{f.level:>7}[/]  {f.check}: {f.message}", highlight=False,
+                      soft_wrap=True)
+        if f.advice:
+            console.print(f"         fix: {f.advice}", highlight=False, soft_wrap=True)
+    problems = sum(f.level == "problem" for f in report.findings)
+    console.print("healthy" if report.healthy else f"{problems} problem(s) found",
+                  style="green" if report.healthy else "bold red")
 
 
 @main.command()

@@ -41,6 +41,20 @@ def available() -> list[Migration]:
     return found
 
 
+_INDEX_RE = re.compile(
+    r"CREATE\s+(?:UNIQUE\s+)?INDEX\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)\s+ON\s+(\w+)[^;]*;",
+    re.IGNORECASE)
+
+
+def expected_indexes() -> dict[str, tuple[str, str]]:
+    """{index name: (table, CREATE INDEX statement)} as the migrations create them."""
+    found: dict[str, tuple[str, str]] = {}
+    for m in available():
+        for match in _INDEX_RE.finditer(m.text):
+            found[match.group(1)] = (match.group(2), " ".join(match.group(0).split()))
+    return found
+
+
 def latest_version() -> int:
     return max(m.version for m in available())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -27,6 +27,7 @@ from .errors import (
     reason,
 )
 from .job import STATUSES, JobInfo
+from .pruner import DEFAULT_RETENTION, Age, Retention, prune_failed, prune_history, seconds
 from .sql import Statements, statements
 from .task import Backoff, Handler, Task
 
@@ -45,8 +46,12 @@ class Queue:
         pool_max_size: int = 10,
         connect_timeout: float = 10.0,
         application_name: str = "asyncjobq",
+        retention: Age = DEFAULT_RETENTION,
+        queue_retention: Mapping[str, Age] | None = None,
     ) -> None:
         self.schema = validate_schema(schema)
+        # How long done/cancelled jobs stay queryable in history; workers prune past it.
+        self.retention = Retention.of(retention, queue_retention)
         if pool_min_size < 0 or pool_max_size < max(1, pool_min_size):
             raise ConfigurationError(
                 f"pool sizes min={pool_min_size} max={pool_max_size} are invalid: "
@@ -361,6 +366,35 @@ class Queue:
                     "done_last_minute": int(recent),
                 }
         return out
+
+    async def prune(self, older_than: float | timedelta | None = None, *,
+                    queue: str | None = None, failed: bool = False) -> dict[str, int]:
+        """Delete finished jobs from history now; returns {queue: rows deleted}.
+
+        Without arguments this applies the queue's retention, as the workers do every minute.
+        `older_than` overrides it (for `queue` only, when given). `failed=True` also deletes
+        dead-lettered jobs that failed more than `older_than` ago (that needs `older_than`).
+        """
+        if queue is not None:
+            _check_queue_name(queue)
+        age = seconds("older_than", older_than)
+        if failed and age is None:
+            raise ConfigurationError(
+                "deleting failed jobs needs an age: pass older_than= (e.g. timedelta(days=7))")
+        if age is None:
+            policy = self.retention
+            if queue is not None:
+                own = dict(policy.per_queue).get(queue, policy.default)
+                policy = Retention(None, ((queue, own),))
+        elif queue is None:
+            policy = Retention(age)
+        else:
+            policy = Retention(None, ((queue, age),))
+        deleted = await prune_history(self, policy, wait=True)
+        if failed and age is not None:
+            for q, n in (await prune_failed(self, age, only_queue=queue)).items():
+                deleted[q] = deleted.get(q, 0) + n
+        return deleted
 
     async def cancel(self, job_id: int) -> bool:
         """Cancel a queued job; False if it is not queued (running, finished or unknown)."""

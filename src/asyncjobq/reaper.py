@@ -1,7 +1,8 @@
 """Requeues (or fails, when attempts are spent) running jobs whose lease ran out.
 
 Every worker runs a reaper, but a transaction-scoped advisory lock lets only one of them work
-at a time; the others skip the turn.
+at a time; the others skip the turn. Every `prune_interval` the turn also prunes history past
+retention (pruner.py), under its own lock so a long prune never delays reaping.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from .errors import reason
+from .pruner import Pruner
 from .queue import Queue
 
 log = logging.getLogger("asyncjobq.worker")
@@ -21,19 +23,25 @@ REAP_BATCH = 1000
 
 
 class Reaper:
-    def __init__(self, queue: Queue, *, lease: float, interval: float) -> None:
+    def __init__(self, queue: Queue, *, lease: float, interval: float,
+                 pruner: Pruner | None = None) -> None:
         self._queue = queue
         self._lease = lease
         self.interval = interval
+        self.pruner = pruner
         self.reaped = 0
 
     async def run(self) -> None:
+        next_prune = anyio.current_time()
         while True:
             await anyio.sleep(self.interval)
             try:
                 await self.reap()
+                if self.pruner is not None and anyio.current_time() >= next_prune:
+                    next_prune = anyio.current_time() + self.pruner.interval
+                    await self.pruner.turn()
             except (psycopg.OperationalError, PoolTimeout) as e:
-                log.warning("reaper turn failed (%s); trying again in %.0f s",
+                log.warning("maintenance turn failed (%s); trying again in %.0f s",
                             reason(e),
                             self.interval)
 

@@ -30,6 +30,12 @@ def _q(template: str, schema: str) -> sql.Composed:
     return sql.SQL(template).format(s=sql.Identifier(schema))
 
 
+def _advisory_xact_lock(key: str, *, wait: bool) -> sql.Composed:
+    # Transaction-scoped, so a crashed holder can never leave it taken.
+    fn = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
+    return sql.SQL("SELECT {}(hashtext({}))").format(sql.SQL(fn), sql.Literal(key))
+
+
 @dataclass(frozen=True)
 class Statements:
     schema: str
@@ -38,9 +44,7 @@ class Statements:
 
     @property
     def install_lock(self) -> sql.Composed:
-        return sql.SQL("SELECT pg_advisory_xact_lock(hashtext({}))").format(
-            sql.Literal(f"asyncjobq.install.{self.schema}")
-        )
+        return _advisory_xact_lock(f"asyncjobq.install.{self.schema}", wait=True)
 
     @property
     def schema_create(self) -> sql.Composed:
@@ -255,9 +259,7 @@ class Statements:
 
     @property
     def reaper_try_lock(self) -> sql.Composed:
-        return sql.SQL("SELECT pg_try_advisory_xact_lock(hashtext({}))").format(
-            sql.Literal(f"asyncjobq.reaper.{self.schema}")
-        )
+        return _advisory_xact_lock(f"asyncjobq.reaper.{self.schema}", wait=False)
 
     @property
     def job_reap_stuck(self) -> sql.Composed:
@@ -281,6 +283,146 @@ class Statements:
             " RETURNING j.id, j.status::text, j.queue",
             self.schema,
         )
+
+    # --- maintenance: pruning ----------------------------------------------------------------
+
+    @property
+    def pruner_try_lock(self) -> sql.Composed:
+        return _advisory_xact_lock(f"asyncjobq.prune.{self.schema}", wait=False)
+
+    @property
+    def pruner_lock(self) -> sql.Composed:
+        return _advisory_xact_lock(f"asyncjobq.prune.{self.schema}", wait=True)
+
+    @property
+    def job_history_delete_expired(self) -> sql.Composed:
+        # One bounded batch. Per-queue ages come as parallel arrays; queues not listed use
+        # %(default_age)s; a NULL age keeps that queue's history forever. The first finished_at
+        # bound (the smallest age of all) lets the BRIN index skip the recent part of history.
+        return _q(
+            "WITH r AS ("
+            "  SELECT * FROM unnest(%(queues)s::text[], %(ages)s::float8[]) AS r(queue, age)),"
+            " doomed AS ("
+            "  SELECT h.id FROM {s}.jobs_history h LEFT JOIN r ON r.queue = h.queue"
+            "  WHERE h.finished_at < now() - make_interval(secs => %(min_age)s)"
+            "    AND h.finished_at < now() - make_interval(secs =>"
+            "      CASE WHEN r.queue IS NULL THEN %(default_age)s ELSE r.age END)"
+            "  LIMIT %(limit)s),"
+            " deleted AS ("
+            "  DELETE FROM {s}.jobs_history h USING doomed WHERE h.id = doomed.id"
+            "  RETURNING h.queue)"
+            " SELECT queue, count(*) FROM deleted GROUP BY queue",
+            self.schema,
+        )
+
+    @property
+    def job_failed_delete_older(self) -> sql.Composed:
+        # Dead-lettered jobs are only deleted on purpose (`prune --failed`), in bounded batches.
+        return _q(
+            "WITH doomed AS ("
+            "  SELECT id FROM {s}.jobs WHERE status = 'failed'"
+            "    AND finished_at < now() - make_interval(secs => %(age)s)"
+            "    AND (%(queue)s::text IS NULL OR queue = %(queue)s)"
+            "  LIMIT %(limit)s FOR UPDATE SKIP LOCKED),"
+            " deleted AS ("
+            "  DELETE FROM {s}.jobs j USING doomed WHERE j.id = doomed.id RETURNING j.queue)"
+            " SELECT queue, count(*) FROM deleted GROUP BY queue",
+            self.schema,
+        )
+
+    # --- doctor: read-only health checks ----------------------------------------------------
+
+    @property
+    def doctor_table_stats(self) -> sql.Composed:
+        # Tuple counts come from the statistics collector: estimates, flushed about once a second.
+        return sql.SQL(
+            "SELECT c.relname, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),"
+            "  pg_table_size(c.oid), pg_indexes_size(c.oid),"
+            "  s.last_vacuum, s.last_autovacuum, s.last_analyze, s.last_autoanalyze,"
+            "  coalesce(s.autovacuum_count, 0), coalesce(c.reloptions, '{{}}')"
+            " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid"
+            " WHERE n.nspname = {schema} AND c.relkind = 'r'"
+            "   AND c.relname IN ('jobs', 'jobs_history')"
+            " ORDER BY c.relname"
+        ).format(schema=sql.Literal(self.schema))
+
+    @property
+    def doctor_index_stats(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT t.relname, i.relname, ix.indisvalid, pg_relation_size(i.oid),"
+            "  coalesce(s.idx_scan, 0)"
+            " FROM pg_index ix"
+            " JOIN pg_class i ON i.oid = ix.indexrelid"
+            " JOIN pg_class t ON t.oid = ix.indrelid"
+            " JOIN pg_namespace n ON n.oid = t.relnamespace"
+            " LEFT JOIN pg_stat_user_indexes s ON s.indexrelid = i.oid"
+            " WHERE n.nspname = {schema} ORDER BY t.relname, i.relname"
+        ).format(schema=sql.Literal(self.schema))
+
+    @property
+    def doctor_xmin_holders(self) -> sql.SQL:
+        # Sessions whose snapshot or transaction id holds back the xmin horizon: while they are
+        # open, vacuum cannot remove any row deleted after they began, in any table.
+        return sql.SQL(
+            "SELECT pid, coalesce(usename, ''), coalesce(application_name, ''), state,"
+            "  extract(epoch FROM now() - xact_start),"
+            "  greatest(age(backend_xid), age(backend_xmin)), left(query, 200)"
+            " FROM pg_stat_activity"
+            " WHERE pid <> pg_backend_pid() AND datname = current_database()"
+            "   AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)"
+            "   AND xact_start < now() - make_interval(secs => %(age)s)"
+            " ORDER BY xact_start"
+        )
+
+    @property
+    def doctor_prepared_xacts(self) -> sql.SQL:
+        return sql.SQL(
+            "SELECT gid, extract(epoch FROM now() - prepared), age(transaction)"
+            " FROM pg_prepared_xacts WHERE database = current_database()"
+            "   AND prepared < now() - make_interval(secs => %(age)s)"
+        )
+
+    @property
+    def doctor_replication_slots(self) -> sql.SQL:
+        return sql.SQL(
+            "SELECT slot_name, active, greatest(age(xmin), age(catalog_xmin))"
+            " FROM pg_replication_slots WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL"
+        )
+
+    @property
+    def doctor_server(self) -> sql.SQL:
+        return sql.SQL(
+            "SELECT current_setting('server_version'), current_setting('autovacuum'),"
+            "  current_setting('track_counts'), pg_notification_queue_usage()"
+        )
+
+    @property
+    def job_count_stale_running(self) -> sql.Composed:
+        return _q(
+            "SELECT count(*), extract(epoch FROM now() - min(locked_at)) FROM {s}.jobs"
+            " WHERE status = 'running' AND locked_at < now() - make_interval(secs => %(lease)s)",
+            self.schema,
+        )
+
+    @property
+    def queue_list_queued(self) -> sql.Composed:
+        return _q("SELECT DISTINCT queue FROM {s}.jobs WHERE status = 'queued' ORDER BY 1",
+                  self.schema)
+
+    @property
+    def doctor_set_local_timeouts(self) -> sql.SQL:
+        return sql.SQL("SET LOCAL lock_timeout = '1s'; SET LOCAL statement_timeout = '10s'")
+
+    @property
+    def server_now(self) -> sql.SQL:
+        return sql.SQL("SELECT now()")
+
+    @property
+    def job_claim_one_queue_explain(self) -> sql.Composed:
+        # The real claim statement, measured; the caller runs it in a rolled-back transaction.
+        return sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}").format(
+            self.job_claim_one_queue)
 
     @property
     def migrations_table_exists(self) -> sql.Composed:

@@ -1,7 +1,8 @@
 """The worker: one event loop holding a LISTEN connection, a pool, and the parts of DESIGN §4.
 
     listener -> fetcher -> bounded handler tasks -> completer
-                heartbeat (extends leases)   reaper (requeues stale jobs, one worker at a time)
+                heartbeat (extends leases)   reaper (requeues stale jobs, one worker at a time;
+                                             every prune_interval, prunes history past retention)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .heartbeat import Heartbeat
 from .job import Job
 from .listener import Listener
 from .outcome import Outcome
+from .pruner import Pruner
 from .queue import Queue, _check_name, _check_queue_name
 from .reaper import Reaper
 
@@ -56,6 +58,7 @@ class Worker:
         listen: bool = True,
         flush_interval: float = 0.005,
         reap_interval: float | None = None,
+        prune_interval: float = 60.0,
     ) -> None:
         if not isinstance(queue, Queue):
             raise ConfigurationError(
@@ -85,6 +88,8 @@ class Worker:
         self.listen = listen
         self.flush_interval = flush_interval
         self.reap_interval = reap_interval if reap_interval is not None else min(5.0, lease / 2)
+        _positive("prune_interval", prune_interval, integer=False)
+        self.prune_interval = float(prune_interval)
         if name is not None:
             _check_name("worker name", name, "web-1")
         # locked_by: unique per run, so a restarted worker of the same name is fenced off from
@@ -103,6 +108,7 @@ class Worker:
         self.listener: Listener | None = None
         self.heartbeat: Heartbeat | None = None
         self.reaper: Reaper | None = None
+        self.pruner: Pruner | None = None
         self.completed = 0
 
     def __repr__(self) -> str:
@@ -143,7 +149,9 @@ class Worker:
             self.queue, self.id, lease=self.lease, held_ids=self._held_ids,
             running_tasks=lambda: [r.job.task for r in tuple(self._running.values())],
             on_lost=self._lease_lost)
-        reaper = self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval)
+        self.pruner = Pruner(self.queue, interval=self.prune_interval)
+        reaper = self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval,
+                                      pruner=self.pruner)
         if self._stop_requested:
             fetcher.stop()
         loop = type(asyncio.get_running_loop())

@@ -1,0 +1,275 @@
+"""`asyncjobq doctor`: what the queue tables are doing, and what to do about it.
+
+Everything here reads; the one statement that writes (the claim, run under EXPLAIN ANALYZE to
+see its real plan and buffers) runs in a transaction that is always rolled back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from . import migrations
+from .queue import Queue
+
+OK, WARNING, PROBLEM = "ok", "warning", "problem"
+
+# A clean dequeue index finds the next job in a handful of blocks (the article: 4); hundreds
+# means it is wading through entries of rows that are gone (the article: 461).
+CLAIM_BLOCKS_PROBLEM = 50
+# Autovacuum is set (migrations) to start at 500 + 1 % dead rows; this many more than that
+# means it is not running, not keeping up, or blocked by a pinned xmin horizon.
+DEAD_TUPLES_MIN = 10_000
+# A B-tree entry of the claim index is about 40-60 bytes; far above that per live row is bloat.
+INDEX_BYTES_PER_ROW = 64
+INDEX_BLOAT_FACTOR = 10
+INDEX_BLOAT_MIN_BYTES = 16 * 1024 * 1024
+# Below this many live rows the planner may rightly prefer a sequential scan for the claim.
+SMALL_TABLE_ROWS = 1000
+NOTIFY_QUEUE_WARNING, NOTIFY_QUEUE_PROBLEM = 0.10, 0.50
+CLAIM_QUEUES_MAX = 5
+
+
+@dataclass
+class Finding:
+    check: str
+    level: str
+    message: str
+    advice: str = ""
+
+
+@dataclass
+class Report:
+    schema: str
+    server_version: str
+    findings: list[Finding] = field(default_factory=list)
+    tables: list[dict[str, Any]] = field(default_factory=list)
+    indexes: list[dict[str, Any]] = field(default_factory=list)
+    claims: list[dict[str, Any]] = field(default_factory=list)
+    xmin_holders: list[dict[str, Any]] = field(default_factory=list)
+    notification_queue_usage: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        return not any(f.level == PROBLEM for f in self.findings)
+
+    def add(self, check: str, level: str, message: str, advice: str = "") -> None:
+        self.findings.append(Finding(check, level, message, advice))
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["healthy"] = self.healthy
+        return out
+
+
+def _ago(ts: datetime | None, now: datetime) -> str:
+    if ts is None:
+        return "never"
+    s = (now - ts).total_seconds()
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else \
+        f"{s / 3600:.1f} h ago"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1024 / 1024:.1f} MB"
+
+
+async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0) -> Report:
+    """Run every check against the queue's schema and database."""
+    st = queue.sql
+    qs = queue.schema
+    async with queue.connection() as conn:
+        await migrations.check(conn, qs)
+        cur = await conn.execute(st.doctor_server)
+        version, autovacuum, track_counts, notify_usage = await cur.fetchone() or ("", "", "", 0)
+        report = Report(qs, str(version), notification_queue_usage=float(notify_usage))
+        cur = await conn.execute(st.server_now)
+        now = (await cur.fetchone() or (datetime.now(),))[0]
+
+        if autovacuum != "on" or track_counts != "on":
+            report.add("autovacuum", PROBLEM,
+                       f"server setting autovacuum={autovacuum}, track_counts={track_counts}: "
+                       "dead rows of finished jobs are never cleaned up",
+                       "set autovacuum = on and track_counts = on in postgresql.conf and "
+                       "reload (SELECT pg_reload_conf())")
+
+        live_rows: dict[str, int] = {}
+        cur = await conn.execute(st.doctor_table_stats)
+        for (table, live, dead, size, idx_size, vac, autovac, analyze, autoanalyze, n_autovac,
+             options) in await cur.fetchall():
+            live_rows[table] = int(live)
+            report.tables.append({
+                "table": table, "live_tuples": int(live), "dead_tuples": int(dead),
+                "table_bytes": int(size), "indexes_bytes": int(idx_size),
+                "last_vacuum": vac, "last_autovacuum": autovac, "last_analyze": analyze,
+                "last_autoanalyze": autoanalyze, "autovacuum_count": int(n_autovac),
+                "reloptions": list(options)})
+            _check_table(report, qs, table, int(live), int(dead), autovac, list(options), now)
+
+        expected = migrations.expected_indexes()
+        present = set()
+        cur = await conn.execute(st.doctor_index_stats)
+        for table, index, valid, size, scans in await cur.fetchall():
+            present.add(index)
+            report.indexes.append({"table": table, "index": index, "valid": bool(valid),
+                                   "bytes": int(size), "scans": int(scans),
+                                   "bytes_per_live_row": round(size / max(1, live_rows.get(
+                                       table, 0)), 1)})
+            _check_index(report, qs, index, bool(valid), int(size), live_rows.get(table, 0))
+        for index, (table, create) in sorted(expected.items()):
+            if index not in present:
+                report.add("indexes", PROBLEM,
+                           f"index {index} on {qs}.{table} is missing"
+                           + (": every claim scans the whole table" if index ==
+                              "jobs_dequeue_idx" else ""),
+                           f"recreate it: SET search_path TO \"{qs}\"; {create}")
+        if not [f for f in report.findings if f.check == "indexes"]:
+            report.add("indexes", OK, f"all {len(expected)} indexes present and valid")
+
+        cur = await conn.execute(st.job_count_stale_running, {"lease": lease})
+        stale, oldest = await cur.fetchone() or (0, None)
+        if stale:
+            report.add("stale running", WARNING,
+                       f"{stale} running job(s) not heartbeated for more than {lease:g} s "
+                       f"(oldest {float(oldest or 0):.0f} s): their worker is gone",
+                       "a running worker's reaper requeues them within seconds; if this stays, "
+                       "no worker is running on this schema: start one")
+        else:
+            report.add("stale running", OK, f"no running job older than its {lease:g} s lease")
+
+        await _check_xmin(report, conn, st, xmin_age)
+
+        if notify_usage >= NOTIFY_QUEUE_WARNING:
+            report.add("notifications", PROBLEM if notify_usage >= NOTIFY_QUEUE_PROBLEM
+                       else WARNING,
+                       f"the NOTIFY queue is {notify_usage:.0%} full: at 100 % every enqueue "
+                       "fails at commit",
+                       "a session that LISTENs is stuck inside a transaction and not reading "
+                       "its notifications: find it in pg_stat_activity and end it")
+        else:
+            report.add("notifications", OK, f"NOTIFY queue {notify_usage:.2%} used")
+
+        queues = [r[0] for r in await (await conn.execute(st.queue_list_queued)).fetchall()]
+        for name in (queues or ["default"])[:CLAIM_QUEUES_MAX]:
+            report.claims.append(await _explain_claim(conn, st, name))
+    for claim in report.claims:
+        _check_claim(report, qs, claim, live_rows.get("jobs", 0))
+    return report
+
+
+def _check_table(report: Report, qs: str, table: str, live: int, dead: int,
+                 autovac: datetime | None, options: list[str], now: datetime) -> None:
+    if "autovacuum_enabled=false" in options:
+        report.add("autovacuum", PROBLEM,
+                   f"autovacuum is disabled on {qs}.{table}: dead rows accumulate",
+                   f"ALTER TABLE \"{qs}\".{table} RESET (autovacuum_enabled)")
+    if table == "jobs" and not any(o.startswith("autovacuum_vacuum_scale_factor=")
+                                   for o in options):
+        report.add("autovacuum", WARNING,
+                   f"{qs}.jobs lacks the queue autovacuum settings the migrations set",
+                   "run `python -m asyncjobq install` or restore them (see sql/0001_init.sql)")
+    if dead > max(DEAD_TUPLES_MIN, live):
+        report.add("bloat", PROBLEM,
+                   f"{qs}.{table} has {dead} dead rows and {live} live ones; last autovacuum "
+                   f"{_ago(autovac, now)}: vacuum is not keeping up or is held back",
+                   f"VACUUM (ANALYZE) \"{qs}\".{table}; if a long transaction is listed "
+                   "below, end it first or vacuum cannot remove anything")
+    else:
+        report.add("bloat", OK, f"{qs}.{table}: {live} live, {dead} dead rows, last autovacuum "
+                   f"{_ago(autovac, now)}")
+
+
+def _check_index(report: Report, qs: str, index: str, valid: bool, size: int,
+                 live: int) -> None:
+    if not valid:
+        report.add("indexes", PROBLEM,
+                   f"index {qs}.{index} is invalid (an interrupted CREATE/REINDEX "
+                   "CONCURRENTLY): the planner ignores it",
+                   f"REINDEX INDEX CONCURRENTLY \"{qs}\".{index}")
+    elif size > max(INDEX_BLOAT_MIN_BYTES, INDEX_BLOAT_FACTOR * INDEX_BYTES_PER_ROW * live):
+        report.add("index size", WARNING,
+                   f"index {qs}.{index} is {_mb(size)} for {live} live rows "
+                   f"({size // max(1, live)} bytes per row): mostly empty pages",
+                   f"REINDEX INDEX CONCURRENTLY \"{qs}\".{index}")
+
+
+async def _check_xmin(report: Report, conn: Any, st: Any, xmin_age: float) -> None:
+    before = len(report.findings)
+    cur = await conn.execute(st.doctor_xmin_holders, {"age": xmin_age})
+    for pid, user, app, state, age_s, xid_age, query in await cur.fetchall():
+        report.xmin_holders.append({"pid": pid, "user": user, "application_name": app,
+                                    "state": state, "transaction_age_s": round(float(age_s), 1),
+                                    "xid_age": xid_age, "query": query})
+        report.add("xmin horizon", PROBLEM,
+                   f"pid {pid} ({app or 'no application_name'}, user {user}, {state}) has held "
+                   f"a transaction open for {float(age_s):.0f} s: vacuum cannot remove rows "
+                   "deleted since, in any table, so the queue tables bloat",
+                   f"commit or roll it back in that client, or SELECT pg_terminate_backend({pid})")
+    cur = await conn.execute(st.doctor_prepared_xacts, {"age": xmin_age})
+    for gid, age_s, _xid_age in await cur.fetchall():
+        report.add("xmin horizon", PROBLEM,
+                   f"prepared transaction {gid!r} is {float(age_s):.0f} s old and pins the "
+                   "xmin horizon", f"COMMIT PREPARED '{gid}' or ROLLBACK PREPARED '{gid}'")
+    cur = await conn.execute(st.doctor_replication_slots)
+    for slot, active, xid_age in await cur.fetchall():
+        if not active:
+            report.add("xmin horizon", PROBLEM,
+                       f"inactive replication slot {slot!r} holds the xmin horizon "
+                       f"({xid_age} transactions back)",
+                       f"if nothing will use it again: SELECT pg_drop_replication_slot('{slot}')")
+    if len(report.findings) == before:
+        report.add("xmin horizon", OK, f"no transaction open longer than {xmin_age:g} s")
+
+
+async def _explain_claim(conn: Any, st: Any, queue_name: str) -> dict[str, Any]:
+    async with conn.transaction(force_rollback=True):
+        # Never wait on a lock or run long: this is a look, not a claim.
+        await conn.execute(st.doctor_set_local_timeouts)
+        cur = await conn.execute(st.job_claim_one_queue_explain,
+                                 {"queue": queue_name, "worker": "asyncjobq-doctor", "limit": 1})
+        row = await cur.fetchone()
+    plan = row[0][0] if row else {}
+    return _summarise_plan(queue_name, plan)
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    out = [node]
+    for child in node.get("Plans", []):
+        out.extend(_nodes(child))
+    return out
+
+
+def _summarise_plan(queue_name: str, plan: dict[str, Any]) -> dict[str, Any]:
+    nodes = _nodes(plan.get("Plan", {}))
+    scan = next((n for n in nodes if n.get("Index Name") == "jobs_dequeue_idx"), None)
+    if scan is None:  # no claim index: whichever node reads jobs other than by primary key
+        scan = next((n for n in nodes if n.get("Relation Name") == "jobs"
+                     and n.get("Index Name") != "jobs_pkey"
+                     and n.get("Node Type") != "ModifyTable"), {})
+    return {
+        "queue": queue_name,
+        "scan": scan.get("Node Type", "?"),
+        "index": scan.get("Index Name"),
+        "blocks": int(scan.get("Shared Hit Blocks", 0)) + int(scan.get("Shared Read Blocks", 0)),
+        "blocks_read": int(scan.get("Shared Read Blocks", 0)),
+        "rows": int(scan.get("Actual Rows", 0)),
+        "execution_ms": round(float(plan.get("Execution Time", 0.0)), 3),
+        "planning_ms": round(float(plan.get("Planning Time", 0.0)), 3),
+    }
+
+
+def _check_claim(report: Report, qs: str, claim: dict[str, Any], live: int) -> None:
+    what = (f"claim on queue {claim['queue']!r}: {claim['scan']}"
+            + (f" on {claim['index']}" if claim["index"] else "")
+            + f", {claim['blocks']} blocks, {claim['execution_ms']:.2f} ms")
+    if claim["index"] != "jobs_dequeue_idx" and live >= SMALL_TABLE_ROWS:
+        report.add("claim plan", PROBLEM, f"{what}: not using the partial index jobs_dequeue_idx",
+                   f"ANALYZE \"{qs}\".jobs; check the 'indexes' finding")
+    elif claim["blocks"] > CLAIM_BLOCKS_PROBLEM:
+        report.add("claim plan", PROBLEM,
+                   f"{what}: a clean index needs under 10; the rest are entries of rows that "
+                   "are gone", f"VACUUM \"{qs}\".jobs (end any long transaction first); "
+                   f"REINDEX INDEX CONCURRENTLY \"{qs}\".jobs_dequeue_idx if it persists")
+    else:
+        report.add("claim plan", OK, what)
