@@ -290,3 +290,47 @@ async def test_doctor_cli(queue: Queue, pg_dsn: str) -> None:
     assert r.returncode == 1 and json.loads(r.stdout)["healthy"] is False
     r = await cli("doctor", "--schema", "not_installed_here", dsn=pg_dsn)
     assert r.returncode == 1 and "is not installed: run `python -m asyncjobq install`" in r.stderr
+
+
+# --- vacuum of the hot table -----------------------------------------------------------------
+
+
+async def vacuum_count(queue: Queue) -> int:
+    return int(await fetchval(
+        queue, "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = %s::regclass",
+        f'"{queue.schema}".jobs'))
+
+
+async def test_workers_vacuum_the_hot_table_between_autovacuums(queue: Queue) -> None:
+    # Autovacuum comes once a minute at best; the workers do not wait for it.
+    await execute(queue, "ALTER TABLE {s}.jobs SET (autovacuum_enabled = false)")
+    await queue.enqueue_many("t", [{"i": i} for i in range(5000)])
+    await execute(queue, "DELETE FROM {s}.jobs")
+    await queue.enqueue("t", {})
+
+    async def claim_blocks() -> int:
+        from asyncjobq.doctor import explain_claim
+
+        async with queue.connection() as conn:
+            return int((await explain_claim(conn, queue.sql, "default"))["blocks"])
+
+    assert await claim_blocks() > CLAIM_BLOCKS_PROBLEM // 2  # wading through 5000 dead entries
+    before = await vacuum_count(queue)
+    worker = Worker(queue, queues=("elsewhere",), vacuum_interval=0.2, poll_interval=0.1)
+    async with running(worker):
+        await wait_for(lambda: worker.vacuum is not None and worker.vacuum.vacuums >= 1,
+                       what="the worker's vacuum")
+
+    async def counted() -> bool:
+        return await vacuum_count(queue) > before
+
+    await wait_for(counted, what="the vacuum in the statistics")
+    assert await claim_blocks() < 10
+
+
+async def test_vacuum_can_be_left_to_autovacuum(queue: Queue) -> None:
+    worker = Worker(queue, vacuum_interval=None, poll_interval=0.1)
+    async with running(worker):
+        assert worker.vacuum is None
+    with pytest.raises(ConfigurationError, match="vacuum_interval"):
+        Worker(queue, vacuum_interval=-1)

@@ -152,7 +152,7 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
 
         queues = [r[0] for r in await (await conn.execute(st.queue_list_queued)).fetchall()]
         for name in (queues or ["default"])[:CLAIM_QUEUES_MAX]:
-            report.claims.append(await _explain_claim(conn, st, name))
+            report.claims.append(await explain_claim(conn, st, name))
     for claim in report.claims:
         _check_claim(report, qs, claim, live_rows.get("jobs", 0))
     return report
@@ -222,12 +222,15 @@ async def _check_xmin(report: Report, conn: Any, st: Any, xmin_age: float) -> No
         report.add("xmin horizon", OK, f"no transaction open longer than {xmin_age:g} s")
 
 
-async def _explain_claim(conn: Any, st: Any, queue_name: str) -> dict[str, Any]:
+async def explain_claim(conn: Any, st: Any, queue_name: str, limit: int = 1) -> dict[str, Any]:
+    """The claim statement run under EXPLAIN (ANALYZE, BUFFERS), rolled back: its scan, blocks,
+    time."""
     async with conn.transaction(force_rollback=True):
         # Never wait on a lock or run long: this is a look, not a claim.
         await conn.execute(st.doctor_set_local_timeouts)
         cur = await conn.execute(st.job_claim_one_queue_explain,
-                                 {"queue": queue_name, "worker": "asyncjobq-doctor", "limit": 1})
+                                 {"queue": queue_name, "worker": "asyncjobq-doctor",
+                                  "limit": limit})
         row = await cur.fetchone()
     plan = row[0][0] if row else {}
     return _summarise_plan(queue_name, plan)

@@ -211,9 +211,15 @@ class Statements:
             "WITH o AS ("
             "  SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(kinds)s::text[],"
             "    %(delays)s::float8[], %(errors)s::text[]) AS o(id, attempt, kind, delay, error)),"
+            # Lock the rows in id order first, as the heartbeat does: two statements that lock
+            # overlapping rows in different orders deadlock (seen in the soak benchmark).
+            " locked AS MATERIALIZED ("
+            "  SELECT j.id FROM {s}.jobs j JOIN o ON j.id = o.id"
+            "  WHERE j.status = 'running' AND j.locked_by = %(worker)s AND j.attempts = o.attempt"
+            "  ORDER BY j.id FOR UPDATE OF j),"
             " finished AS ("
-            "  DELETE FROM {s}.jobs j USING o"
-            "  WHERE j.id = o.id AND o.kind = 'done' AND j.status = 'running'"
+            "  DELETE FROM {s}.jobs j USING o, locked"
+            "  WHERE j.id = o.id AND j.id = locked.id AND o.kind = 'done' AND j.status = 'running'"
             "    AND j.locked_by = %(worker)s AND j.attempts = o.attempt"
             "  RETURNING j.*),"
             " archived AS ("
@@ -232,8 +238,8 @@ class Statements:
             "                      ELSE right(concat_ws(E'\\n', j.last_error, o.error), 8000) END,"
             "    finished_at = CASE WHEN o.kind = 'failed' THEN now() END,"
             "    locked_by = NULL, locked_at = NULL"
-            "  FROM o"
-            "  WHERE j.id = o.id AND o.kind <> 'done' AND j.status = 'running'"
+            "  FROM o, locked"
+            "  WHERE j.id = o.id AND j.id = locked.id AND o.kind <> 'done' AND j.status = 'running'"
             "    AND j.locked_by = %(worker)s AND j.attempts = o.attempt"
             "  RETURNING j.id)"
             " SELECT id FROM archived UNION ALL SELECT id FROM updated"
@@ -242,10 +248,14 @@ class Statements:
     @property
     def job_heartbeat_many(self) -> sql.Composed:
         # Returns the ids this worker still holds; a missing id means its lease was lost.
+        # Rows are locked in id order, as the completion statement locks them (no deadlock).
         return _q(
-            "UPDATE {s}.jobs SET locked_at = now()"
-            " WHERE id = ANY(%(ids)s) AND status = 'running' AND locked_by = %(worker)s"
-            " RETURNING id",
+            "WITH held AS MATERIALIZED ("
+            "  SELECT id FROM {s}.jobs"
+            "  WHERE id = ANY(%(ids)s) AND status = 'running' AND locked_by = %(worker)s"
+            "  ORDER BY id FOR NO KEY UPDATE)"
+            " UPDATE {s}.jobs j SET locked_at = now() FROM held WHERE j.id = held.id"
+            " RETURNING j.id",
             self.schema,
         )
 
@@ -329,6 +339,37 @@ class Statements:
             " SELECT queue, count(*) FROM deleted GROUP BY queue",
             self.schema,
         )
+
+    # --- maintenance: vacuum of the hot table ---------------------------------------------------
+
+    @property
+    def hot_vacuum_try_lock(self) -> sql.Composed:
+        # Session-scoped (VACUUM cannot run in a transaction); released by hot_vacuum_unlock.
+        return sql.SQL("SELECT pg_try_advisory_lock(hashtext({}))").format(
+            sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
+
+    @property
+    def hot_vacuum_unlock(self) -> sql.Composed:
+        return sql.SQL("SELECT pg_advisory_unlock(hashtext({}))").format(
+            sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
+
+    @property
+    def job_table_dead_tuples(self) -> sql.Composed:
+        # Only the owner (or a superuser) may vacuum: say so rather than try and be refused.
+        return sql.SQL(
+            "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),"
+            "  extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum)),"
+            "  pg_has_role(c.relowner, 'USAGE')"
+            " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid"
+            " WHERE c.oid = to_regclass({})"
+        ).format(sql.Literal(f'"{self.schema}".jobs'))
+
+    @property
+    def job_table_vacuum(self) -> sql.Composed:
+        # SKIP_LOCKED: if autovacuum (or another worker) is at it, skip rather than queue.
+        # INDEX_CLEANUP ON: PostgreSQL skips the indexes when few heap pages have dead rows,
+        # but the claim index's dead entries are exactly what this vacuum is for.
+        return _q("VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) {s}.jobs", self.schema)
 
     # --- doctor: read-only health checks ----------------------------------------------------
 

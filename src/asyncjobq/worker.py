@@ -3,6 +3,7 @@
     listener -> fetcher -> bounded handler tasks -> completer
                 heartbeat (extends leases)   reaper (requeues stale jobs, one worker at a time;
                                              every prune_interval, prunes history past retention)
+                                             vacuum (of the hot table, between autovacuum's visits)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .outcome import Outcome
 from .pruner import Pruner
 from .queue import Queue, _check_name, _check_queue_name
 from .reaper import Reaper
+from .vacuumer import HotTableVacuum
 
 log = logging.getLogger("asyncjobq.worker")
 
@@ -59,6 +61,7 @@ class Worker:
         flush_interval: float = 0.005,
         reap_interval: float | None = None,
         prune_interval: float = 60.0,
+        vacuum_interval: float | None = 1.0,
     ) -> None:
         if not isinstance(queue, Queue):
             raise ConfigurationError(
@@ -90,6 +93,10 @@ class Worker:
         self.reap_interval = reap_interval if reap_interval is not None else min(5.0, lease / 2)
         _positive("prune_interval", prune_interval, integer=False)
         self.prune_interval = float(prune_interval)
+        if vacuum_interval is not None:
+            _positive("vacuum_interval", vacuum_interval, integer=False)
+        # None leaves the hot table to autovacuum alone.
+        self.vacuum_interval = vacuum_interval
         if name is not None:
             _check_name("worker name", name, "web-1")
         # locked_by: unique per run, so a restarted worker of the same name is fenced off from
@@ -109,6 +116,7 @@ class Worker:
         self.heartbeat: Heartbeat | None = None
         self.reaper: Reaper | None = None
         self.pruner: Pruner | None = None
+        self.vacuum: HotTableVacuum | None = None
         self.completed = 0
 
     def __repr__(self) -> str:
@@ -150,6 +158,8 @@ class Worker:
             running_tasks=lambda: [r.job.task for r in tuple(self._running.values())],
             on_lost=self._lease_lost)
         self.pruner = Pruner(self.queue, interval=self.prune_interval)
+        self.vacuum = (HotTableVacuum(self.queue, interval=self.vacuum_interval)
+                       if self.vacuum_interval is not None else None)
         reaper = self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval,
                                       pruner=self.pruner)
         if self._stop_requested:
@@ -172,6 +182,8 @@ class Worker:
             services.start_soon(completer.run)
             services.start_soon(heartbeat.tick)
             services.start_soon(reaper.run)
+            if self.vacuum is not None:
+                services.start_soon(self.vacuum.run)
             if self.listen:
                 self.listener = Listener(
                     self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.wakeup.set,
