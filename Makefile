@@ -25,3 +25,18 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .asyncjobq .pytest_cache .mypy_cache .ruff_cache
+
+# Benchmarks (benchmarks/README.md): the bench extra adds matplotlib, redis-py and py-spy.
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[embedded,dev,bench]'
+	@touch $(BENCH_STAMP)
+
+.PHONY: bench bench-quick
+
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks.run $(BENCH_ARGS)
+
+bench-quick: $(BENCH_STAMP)
+	$(PY) -m benchmarks.run --quick $(BENCH_ARGS)

@@ -1,0 +1,1 @@
+"""asyncjobq's benchmark suite: `make bench` / `make bench-quick` (see benchmarks/README.md)."""

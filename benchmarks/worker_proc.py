@@ -1,0 +1,97 @@
+"""One benchmark worker process: an asyncjobq Worker with one task, `noop`.
+
+Started by common.Workers. It opens its pool, prints `ready`, waits for `go` on stdin, runs the
+worker until SIGTERM, then writes what it saw to --out as JSON: the job ids it executed (for
+counting double claims), enqueue-to-start latencies, peak RSS and CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from asyncjobq import Job, Queue, Worker
+from asyncjobq.runtime import run
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    queue = Queue(args.dsn, schema=args.schema)
+    ids: list[int] = []
+    latencies: list[float] = []
+    record = args.record
+    sleep = args.sleep
+
+    @queue.task(name="noop")
+    async def noop(job: Job) -> None:
+        if record == "latency":
+            latencies.append(time.clock_gettime(time.CLOCK_MONOTONIC) - job.payload["t"])
+        elif record == "ids":
+            ids.append(job.id)
+        if sleep:
+            await asyncio.sleep(sleep)
+
+    kwargs: dict[str, Any] = {}
+    if args.concurrency:
+        kwargs["concurrency"] = args.concurrency
+    if args.batch:
+        kwargs["batch_size"] = args.batch
+    worker = Worker(queue, poll_interval=args.poll_interval, listen=not args.listen_off,
+                    **kwargs)
+    await queue.open()
+    print("ready", flush=True)
+    line = await anyio.to_thread.run_sync(sys.stdin.readline)
+    if line.strip() != "go":
+        return {}
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, worker.stop)
+    samples: list[int] = []
+
+    async def sample_rss() -> None:
+        while True:
+            samples.append(_rss_kb())
+            await anyio.sleep(0.5)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample_rss)
+        await worker.run()
+        tg.cancel_scope.cancel()
+    await queue.close()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "ids": ids, "latencies": latencies, "maxrss_kb": ru.ru_maxrss,
+        "cpu_s": ru.ru_utime + ru.ru_stime, "completed": worker.completed,
+        "rss_samples_kb": samples,
+    }
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--schema", required=True)
+    p.add_argument("--concurrency", type=int, default=0, help="0: the Worker's default")
+    p.add_argument("--batch", type=int, default=0, help="0: the Worker's default")
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--poll-interval", type=float, default=1.0)
+    p.add_argument("--no-listen", dest="listen_off", action="store_true")
+    p.add_argument("--record", choices=["ids", "latency", "none"], default="ids")
+    p.add_argument("--out", required=True)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    a = parse()
+    Path(a.out).write_text(json.dumps(run(main, a)))
