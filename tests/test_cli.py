@@ -276,7 +276,7 @@ async def test_retry_failed_requeues_and_filters(queue: Queue, pg_dsn: str) -> N
     (["cancel", "abc"], 2, ["ID"]),
     (["cancel", "0"], 2, ["ID", "x>=1"]),
     (["nosuchcommand"], 2, ["No such command 'nosuchcommand'"]),
-    (["status", "--schema", "Bad-Name"], 1, ["schema 'Bad-Name' is not a valid name",
+    (["status", "--schema", "Bad-Name"], 2, ["schema 'Bad-Name' is not a valid name",
                                             "lower-case"]),
 ])
 def test_mistakes_exit_with_a_short_message(pg_dsn: str, args: list[str], code: int,

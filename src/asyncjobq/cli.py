@@ -22,7 +22,7 @@ import click
 import psycopg
 
 from . import migrations, runtime
-from .dsn import check_dsn
+from .dsn import check_dsn, validate_schema
 from .errors import AppImportError, AsyncJobQError, ConfigurationError, reason
 from .queue import Queue
 from .worker import Worker
@@ -63,8 +63,16 @@ def _dsn_param(_ctx: click.Context, _param: click.Parameter, value: str | None) 
     return value
 
 
+def _schema_param(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    # A schema name that could never be valid is a usage mistake (exit 2).
+    try:
+        return validate_schema(value)
+    except ConfigurationError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _db_options(fn: F) -> F:
-    fn = click.option("--schema", default="asyncjobq", show_default=True,
+    fn = click.option("--schema", default="asyncjobq", show_default=True, callback=_schema_param,
                       help="PostgreSQL schema holding the queue tables.")(fn)
     fn = click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
                       help="PostgreSQL DSN; else $ASYNCJOBQ_DSN; else the embedded server.")(fn)
