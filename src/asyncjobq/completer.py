@@ -16,10 +16,12 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from .errors import reason
+from .heldconn import HeldConnection
 from .outcome import Outcome
 from .queue import Queue
 
 log = logging.getLogger("asyncjobq.worker")
+ROLE = "complete"
 
 
 class Completer:
@@ -44,10 +46,17 @@ class Completer:
         # buffer by the flush that wrote it, and by no other.
         self._flushing = anyio.Lock()
         self.refused = 0
+        # While run() loops, flushes go through a connection of its own (see heldconn).
+        self._held = HeldConnection(self._queue, ROLE)
 
     def pending_ids(self) -> list[int]:
         """Jobs whose outcome is not written yet: still running in the table, still heartbeated."""
         return [o.job_id for o in tuple(self._buffer)]  # tuple(): safe from another thread
+
+    @property
+    def backlog(self) -> int:
+        """Outcomes not written yet: their jobs still count against the worker's slots."""
+        return len(self._buffer)
 
     def add(self, outcome: Outcome) -> None:
         if not self._buffer:
@@ -56,6 +65,10 @@ class Completer:
         self._ready.set()
 
     async def run(self) -> None:
+        async with self._held:
+            await self._run()
+
+    async def _run(self) -> None:
         backoff = 0.05
         while True:
             if not self._buffer:
@@ -82,10 +95,12 @@ class Completer:
         """Write everything buffered now. Raises on a database error, keeping the buffer."""
         async with self._flushing:
             while self._buffer:
-                await self._flush_batch(self._buffer[: max(self._max_batch, 500)])
+                # Flushes of max_batch rows: the completion statement's cost grows faster than
+                # its row count (its plan joins outcomes to this worker's running rows).
+                await self._flush_batch(self._buffer[: self._max_batch])
 
     async def _flush_batch(self, batch: list[Outcome]) -> None:
-        async with self._queue.connection() as conn:
+        async with self._held.connection() as conn:
             cur = await conn.execute(
                 self._queue.sql.job_set_outcome_if_running_many,
                 {

@@ -15,10 +15,12 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from .errors import reason
+from .heldconn import HeldConnection
 from .job import Job
 from .queue import Queue
 
 log = logging.getLogger("asyncjobq.worker")
+ROLE = "fetch"
 
 
 class Wakeup:
@@ -74,6 +76,8 @@ class Fetcher:
         self.slot_freed = anyio.Event()
         self.stopping = False
         self.claimed = 0
+        # While run() loops, claims go through a connection of its own (see heldconn).
+        self._held = HeldConnection(self._queue, ROLE)
 
     def serves(self, queue: str) -> bool:
         return queue in self._queues
@@ -108,7 +112,7 @@ class Fetcher:
             query = st.job_claim_many_queues
             params = {"queues": self._queues}
         params.update(worker=self._worker_id, limit=limit)
-        async with self._queue.connection() as conn:
+        async with self._held.connection() as conn:
             cur = await conn.execute(query, params)
             rows = await cur.fetchall()
         jobs = [
@@ -121,6 +125,10 @@ class Fetcher:
         return jobs
 
     async def run(self) -> None:
+        async with self._held:
+            await self._run()
+
+    async def _run(self) -> None:
         backoff = 0.1
         while not self.stopping:
             free = self._free_slots()

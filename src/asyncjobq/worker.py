@@ -149,7 +149,7 @@ class Worker:
         fetcher = self.fetcher = Fetcher(
             self.queue, self.id, self.queues, batch_size=self.batch_size,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
-            free_slots=lambda: self.concurrency - len(self._running), dispatch=self._dispatch)
+            free_slots=self._free_slots, dispatch=self._dispatch)
         completer = self.completer = Completer(
             self.queue, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
             on_written=self._written)
@@ -222,6 +222,12 @@ class Worker:
         if self._running:
             await self._none_running.wait()
 
+    def _free_slots(self) -> int:
+        # Jobs whose outcomes wait beyond one flush's worth still hold their slots: claiming
+        # past the completer would pile up running rows that every flush must join against.
+        backlog = self.completer.backlog if self.completer is not None else 0
+        return self.concurrency - len(self._running) - max(0, backlog - self.batch_size)
+
     def _dispatch(self, job: Job) -> None:
         running = RunningJob(job, time.monotonic())
         self._running[job.id] = running
@@ -245,6 +251,7 @@ class Worker:
 
     def _written(self, outcomes: list[Outcome]) -> None:
         assert self.fetcher is not None
+        self.fetcher.release_slot()  # their slots were held until now (see _free_slots)
         for o in outcomes:
             if o.kind == "done":
                 self.completed += 1
