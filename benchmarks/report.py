@@ -320,6 +320,9 @@ def render(data: dict[str, Any]) -> None:
     if targets:
         md[placeholder] = ("## Targets (issue 3), from this run\n\n"
                            + table(["target", "figure", ""], targets) + "\n")
+    notes = out / "ANALYSIS.md"
+    if notes.exists():
+        md.append(notes.read_text())
     prof = out / "PROFILE.md"
     if prof.exists():
         md.append("## Profile\n")
