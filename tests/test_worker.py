@@ -326,6 +326,15 @@ async def test_worker_refuses_bad_settings(queue: Queue) -> None:
             raise AssertionError(f"Worker accepted {kwargs}")
 
 
+async def test_default_batch_grows_with_concurrency(queue: Queue) -> None:
+    assert Worker(queue).batch_size == 10  # DESIGN: concurrency 20, batch 10
+    assert Worker(queue, concurrency=5).batch_size == 10
+    assert Worker(queue, concurrency=50).batch_size == 25
+    assert Worker(queue, concurrency=200).batch_size == 100
+    assert Worker(queue, concurrency=1000).batch_size == 100
+    assert Worker(queue, concurrency=200, batch_size=7).batch_size == 7
+
+
 async def test_worker_needs_installed_schema(pg_dsn: str, schema: str) -> None:
     async with Queue(pg_dsn, schema=schema) as q:
         try:

@@ -149,8 +149,9 @@ def load_app(app: str) -> Queue:
 @click.option("--queue", "queues", multiple=True, metavar="Q",
               help="Queue to serve (repeatable). Default: default.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Most jobs claimed per statement.")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="Most jobs claimed per statement.  [default: 10, or half of --concurrency "
+                   "up to 100]")
 @click.option("--lease", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="Seconds without heartbeat after which a job is reaped.")
 @click.option("--poll-interval", type=click.FloatRange(min=0, min_open=True), default=1.0,
@@ -164,7 +165,7 @@ def load_app(app: str) -> Queue:
 @click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
               help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
 @_guard
-def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int, lease: float,
+def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | None, lease: float,
            poll_interval: float, shutdown_timeout: float, name: str | None, no_listen: bool,
            log_level: str, dsn: str | None) -> None:
     """Run a worker for APP (module:attribute naming a Queue) until SIGTERM/SIGINT."""

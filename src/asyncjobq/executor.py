@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import anyio
 
@@ -20,19 +21,33 @@ log = logging.getLogger("asyncjobq.worker")
 class RunningJob:
     job: Job
     started: float
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    # The asyncio task running the handler. Plain asyncio tasks and asyncio.timeout, not an
+    # anyio task group and cancel scopes: those cost ~20 us per job, a third of a zero-work
+    # job's CPU in the worker (benchmarks/results/PROFILE.md).
+    task: asyncio.Task[None] | None = None
     # Why the worker cancelled this handler, if it did ("shutdown", "lease lost").
     cancel_reason: str | None = None
 
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
             self.cancel_reason = reason
-        self.scope.cancel()
+        if self.task is not None:
+            self.task.cancel(reason)
 
 
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _raised(job: Job, task: Task, exc: BaseException) -> Outcome:
+    if isinstance(exc, Exception):
+        log.warning("job %s (%s) attempt %s failed: %s", job.id, job.task, job.attempt,
+                    _describe(exc), exc_info=log.isEnabledFor(logging.DEBUG))
+    else:  # SystemExit, KeyboardInterrupt... from a handler: not the worker's
+        log.warning("job %s (%s) attempt %s raised %s", job.id, job.task, job.attempt,
+                    _describe(exc))
+    return _failure(job, task, _describe(exc))
 
 
 def _failure(job: Job, task: Task | None, error: str) -> Outcome:
@@ -46,7 +61,8 @@ def _failure(job: Job, task: Task | None, error: str) -> Outcome:
 
 
 async def execute(
-    running: RunningJob, task: Task | None, registered: list[str], limiter: anyio.CapacityLimiter
+    running: RunningJob, task: Task | None, registered: Iterable[str],
+    limiter: anyio.CapacityLimiter,
 ) -> Outcome | None:
     """Run the handler. Returns None only when the lease was lost (nothing may be written)."""
     job = running.job
@@ -62,43 +78,43 @@ async def execute(
             "object; enqueue a dict"))
     timed_out = False
     result: object = None
+    deadline: asyncio.Timeout | None = None
     try:
-        with running.scope:
-            with anyio.move_on_after(task.timeout) as deadline:
-                if task.is_async:
-                    result = await task.handler(job)  # type: ignore[misc]
-                else:
-                    result = await anyio.to_thread.run_sync(
-                        task.handler, job, abandon_on_cancel=True, limiter=limiter
-                    )
-                if inspect.isawaitable(result):  # a sync callable that returned a coroutine
-                    result = await result
-            timed_out = deadline.cancelled_caught
+        async with asyncio.timeout(task.timeout) as deadline:
+            if task.is_async:
+                result = await task.handler(job)  # type: ignore[misc]
+            else:
+                result = await anyio.to_thread.run_sync(
+                    task.handler, job, abandon_on_cancel=True, limiter=limiter
+                )
+            if inspect.isawaitable(result):  # a sync callable that returned a coroutine
+                result = await result
+    except TimeoutError as e:
+        if deadline is None or not deadline.expired():
+            return _raised(job, task, e)  # the handler's own TimeoutError
+        timed_out = True
     except Retry as r:
         return Outcome(job.id, job.attempt, "snooze", delay=r.delay)
     except Fail as f:
         return Outcome(job.id, job.attempt, "failed",
                        error=f"attempt {job.attempt}: Fail: {f.reason}")
     except asyncio.CancelledError:
-        task_obj = asyncio.current_task()
-        if task_obj is not None and task_obj.cancelling():
-            raise  # the worker itself is being torn down: let the cancellation through
-        log.warning("job %s (%s) attempt %s: handler raised CancelledError", job.id, job.task,
-                    job.attempt)
-        return _failure(job, task, "CancelledError raised by the handler")
-    except Exception as e:
-        log.warning("job %s (%s) attempt %s failed: %s", job.id, job.task, job.attempt,
-                    _describe(e), exc_info=log.isEnabledFor(logging.DEBUG))
-        return _failure(job, task, _describe(e))
-    except BaseException as e:  # SystemExit, KeyboardInterrupt... from a handler: not the worker's
-        log.warning("job %s (%s) attempt %s raised %s", job.id, job.task, job.attempt,
-                    _describe(e))
-        return _failure(job, task, _describe(e))
-    if running.scope.cancelled_caught or running.cancel_reason is not None:
+        current = asyncio.current_task()
+        if running.cancel_reason is None:
+            if current is not None and current.cancelling():
+                raise  # the worker itself is being torn down: let the cancellation through
+            log.warning("job %s (%s) attempt %s: handler raised CancelledError", job.id,
+                        job.task, job.attempt)
+            return _failure(job, task, "CancelledError raised by the handler")
+        if current is not None:
+            current.uncancel()  # our own cancel, turned into an outcome below
+    except BaseException as e:
+        return _raised(job, task, e)
+    if running.cancel_reason is not None:
         if running.cancel_reason == "lease lost":
             return None
         return Outcome(job.id, job.attempt, "retry", delay=0.0, error=(
-            f"attempt {job.attempt}: interrupted by worker {running.cancel_reason or 'stop'}"))
+            f"attempt {job.attempt}: interrupted by worker {running.cancel_reason}"))
     if timed_out:
         return _failure(job, task, f"timed out after {task.timeout} s")
     if result is not None:

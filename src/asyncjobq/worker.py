@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Sequence
 
 import anyio
-from anyio.abc import TaskGroup
 
 from . import migrations
 from .completer import Completer
@@ -43,6 +42,16 @@ def _positive(name: str, value: object, *, integer: bool) -> None:
         raise ConfigurationError(f"{name}={value!r}: use {kind} greater than 0")
 
 
+def default_batch_size(concurrency: int) -> int:
+    """10 (DESIGN's default, at the default concurrency 20), or half the slots, up to 100.
+
+    Claims are sized to free slots; a fixed 10 caps a worker with hundreds of slots at about
+    10 jobs per claim round trip (7,000 jobs/s for 5 ms jobs at concurrency 200, where half
+    the slots per claim reach 12,000+; benchmarks/results/RESULTS.md section 3).
+    """
+    return max(10, min(100, concurrency // 2))
+
+
 class Worker:
     """Runs the handlers registered on `queue` for jobs of `queues`."""
 
@@ -51,7 +60,7 @@ class Worker:
         queue: Queue,
         queues: Sequence[str] = ("default",),
         concurrency: int = 20,
-        batch_size: int = 10,
+        batch_size: int | None = None,
         lease: float = 30.0,
         poll_interval: float = 1.0,
         shutdown_timeout: float = 30.0,
@@ -74,6 +83,8 @@ class Worker:
         for q in queues:
             _check_queue_name(q)
         _positive("concurrency", concurrency, integer=True)
+        if batch_size is None:
+            batch_size = default_batch_size(concurrency)
         _positive("batch_size", batch_size, integer=True)
         _positive("lease", lease, integer=False)
         _positive("poll_interval", poll_interval, integer=False)
@@ -105,7 +116,6 @@ class Worker:
         self.id = f"{base}-{uuid.uuid4().hex[:8]}"
         self.name = base
         self._running: dict[int, RunningJob] = {}
-        self._handlers: TaskGroup | None = None
         self._none_running: anyio.Event | None = None
         # Events need a running loop; they are made in run(). stop() may come earlier.
         self._stop_requested = False
@@ -189,9 +199,14 @@ class Worker:
                     self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.wakeup.set,
                     application_name=f"{self.queue.application_name}-listen")
                 services.start_soon(self.listener.run)
-            async with anyio.create_task_group() as handlers:
-                self._handlers = handlers
-                handlers.start_soon(self._fetch_then_shutdown, fetcher, completer)
+            try:
+                await self._fetch_then_shutdown(fetcher, completer)
+            finally:
+                # Torn down (cancelled) rather than stopped: handlers still running are
+                # cancelled with it; their jobs stay running in the table until reaped.
+                for r in list(self._running.values()):
+                    if r.task is not None:
+                        r.task.cancel()
             services.cancel_scope.cancel()
 
     async def _fetch_then_shutdown(self, fetcher: Fetcher, completer: Completer) -> None:
@@ -231,8 +246,7 @@ class Worker:
     def _dispatch(self, job: Job) -> None:
         running = RunningJob(job, time.monotonic())
         self._running[job.id] = running
-        assert self._handlers is not None
-        self._handlers.start_soon(self._execute, running, name=f"asyncjobq job {job.id}")
+        running.task = asyncio.create_task(self._execute(running), name=f"asyncjobq job {job.id}")
 
     async def _execute(self, running: RunningJob) -> None:
         job = running.job
@@ -240,7 +254,7 @@ class Worker:
         outcome: Outcome | None = None
         try:
             outcome = await execute(running, self.queue.tasks.get(job.task),
-                                    list(self.queue.tasks), self._thread_limiter)
+                                    self.queue.tasks, self._thread_limiter)
         finally:
             self._running.pop(job.id, None)
             if not self._running and self._none_running is not None:
