@@ -150,12 +150,16 @@ async def test_unknown_task_and_bad_handlers_do_not_stop_the_worker(queue: Queue
     async def cancels(job: Job) -> None:
         raise asyncio.CancelledError()
 
+    @queue.task(name="unstorable", max_attempts=1)
+    async def unstorable(job: Job) -> None:
+        raise ValueError("NUL \x00 and a lone surrogate \udc80")  # PostgreSQL takes neither
+
     @queue.task(name="ok")
     async def ok(job: Job) -> int:
         return 42
 
     bad = [await queue.enqueue("nobody.handles.this", {}), await exits.enqueue({}),
-           await cancels.enqueue({})]
+           await cancels.enqueue({}), await unstorable.enqueue({})]
     good = await ok.enqueue({})
     async with running(Worker(queue, poll_interval=0.1)):
         await wait_for(lambda: all_done(queue, bad, "failed"), what="bad jobs failed")
@@ -163,7 +167,10 @@ async def test_unknown_task_and_bad_handlers_do_not_stop_the_worker(queue: Queue
     unknown = await queue.get(bad[0])
     assert unknown is not None and unknown.last_error is not None
     assert "unknown task 'nobody.handles.this'" in unknown.last_error
-    assert "cancelled, exit, ok" in unknown.last_error  # names the registered tasks
+    assert "cancelled, exit, ok, unstorable" in unknown.last_error  # the registered tasks
+    escaped = await queue.get(bad[3])
+    assert escaped is not None and escaped.last_error is not None
+    assert "ValueError: NUL \\x00 and a lone surrogate \\udc80" in escaped.last_error
 
 
 async def test_priority_then_run_at_order(queue: Queue) -> None:
@@ -251,6 +258,42 @@ async def test_stale_worker_completion_is_refused_by_fencing(queue: Queue) -> No
     b.add(Outcome(b_job.id, b_job.attempt, "done"))
     await b.flush()
     assert b.refused == 0 and await status_of(queue, job_id) == "done"
+
+
+async def test_a_flush_claims_the_next_jobs_in_the_same_statement(queue: Queue) -> None:
+    first = await queue.enqueue("t", {})
+    rest = await queue.enqueue_many("t", [{} for _ in range(5)])
+    dispatched: list[Job] = []
+    fetcher = Fetcher(queue, "w", ["default"], batch_size=3, concurrency=4, poll_interval=1,
+                      free_slots=lambda: 4 - len(dispatched), dispatch=dispatched.append)
+    (job,) = await fetcher.claim(1)
+    assert job.id == first
+    completer = Completer(queue, "w", max_batch=10, fetcher=fetcher)
+    completer.add(Outcome(job.id, job.attempt, "done"))
+    completer.add(Outcome(rest[4], 1, "done"))  # not held by "w": refused, not written
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(completer.run)
+        await wait_for(lambda: completer.backlog == 0, what="the flush")
+        tg.cancel_scope.cancel()
+    assert [j.id for j in dispatched] == rest[:3]  # the free slots, at most a batch
+    assert completer.refused == 1
+    assert await status_of(queue, first) == "done"
+    assert await status_of(queue, rest[4]) == "queued"
+    # One statement, one transaction: the claim's locked_at is the completion's finished_at.
+    finished_at = await fetchval(queue, "SELECT finished_at FROM {s}.jobs_history WHERE id = %s",
+                                 first)
+    locked = await fetchval(queue, "SELECT array_agg(DISTINCT locked_at) FROM {s}.jobs"
+                            " WHERE status = 'running'")
+    assert locked == [finished_at]
+    # Nothing free: the next flush only writes.
+    completer.add(Outcome(dispatched[0].id, dispatched[0].attempt, "done"))
+    dispatched.append(dispatched[0])  # four slots taken
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(completer.run)
+        await wait_for(lambda: completer.backlog == 0, what="the second flush")
+        tg.cancel_scope.cancel()
+    assert len(dispatched) == 4 and await status_of(queue, rest[0]) == "done"
+    assert await status_of(queue, rest[3]) == "queued"
 
 
 async def test_notification_wakes_idle_worker_long_before_poll(queue: Queue) -> None:

@@ -1,27 +1,44 @@
-"""Buffers outcomes and writes them in one fenced statement per flush.
+"""Buffers outcomes and writes them in one fenced statement per flush, on parallel lanes.
 
 A flush happens when `max_batch` outcomes wait or `flush_interval` after the first one, so a busy
-worker pays one round trip and one commit per batch instead of one per job. A failed flush keeps
-its outcomes and tries again: nothing is dropped while the database is away.
+worker pays one round trip and one commit per batch instead of one per job. Each flush also
+claims the next jobs for the worker's free slots (Fetcher.fold): completing and claiming cost
+one statement, where the article's loop spends two. Several lanes, each with its own
+connection, flush at once: with fsync on, a commit waits for the WAL flush, and commits in
+flight together share it. A failed flush keeps its outcomes and tries again: nothing is
+dropped while the database is away.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import psycopg
+from psycopg import AsyncConnection
 from psycopg_pool import PoolTimeout
 
 from .errors import reason
+from .fetcher import Fetcher
 from .heldconn import HeldConnection
 from .outcome import Outcome
 from .queue import Queue
 
 log = logging.getLogger("asyncjobq.worker")
 ROLE = "complete"
+
+
+def _storable(error: str | None) -> str | None:
+    """An error text PostgreSQL can store: a NUL or a lone surrogate in an exception's message
+    would make the whole flush fail, every time it is retried."""
+    if error is None or (error.isascii() and "\x00" not in error):
+        return error
+    return error.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 class Completer:
@@ -33,89 +50,147 @@ class Completer:
         max_batch: int,
         flush_interval: float = 0.005,
         on_written: Callable[[list[Outcome]], None] = lambda _: None,
+        fetcher: Fetcher | None = None,
+        lanes: int = 2,
     ) -> None:
         self._queue = queue
         self._worker_id = worker_id
         self._max_batch = max(1, max_batch)
         self._flush_interval = flush_interval
         self._on_written = on_written
+        # When set, each flush also claims the next jobs for the fetcher's free slots.
+        self._fetcher = fetcher
         self._buffer: list[Outcome] = []
-        self._ready = anyio.Event()
+        # Batches taken off the buffer by a flush that has not finished: each batch is written
+        # by the flush that took it, and by no other.
+        self._inflight: list[list[Outcome]] = []
+        self._folds_in_flight = 0
         self._first_at = 0.0
-        # run() and drain() may both flush at shutdown; each batch must be taken off the
-        # buffer by the flush that wrote it, and by no other.
-        self._flushing = anyio.Lock()
+        self._changed = anyio.Event()
+        self._waiters = 0
         self.refused = 0
-        # While run() loops, flushes go through a connection of its own (see heldconn).
-        self._held = HeldConnection(self._queue, ROLE)
+        # While run() loops, each lane flushes through a connection of its own (see heldconn).
+        self._lanes = [HeldConnection(self._queue, ROLE) for _ in range(max(1, lanes))]
 
     def pending_ids(self) -> list[int]:
         """Jobs whose outcome is not written yet: still running in the table, still heartbeated."""
-        return [o.job_id for o in tuple(self._buffer)]  # tuple(): safe from another thread
+        # tuple(): a copy safe from another thread (the heartbeat's); batches are never mutated.
+        ids = [o.job_id for o in tuple(self._buffer)]
+        for batch in tuple(self._inflight):
+            ids.extend(o.job_id for o in batch)
+        return ids
+
+    @property
+    def capacity(self) -> int:
+        """Outcomes the lanes write at once: a backlog up to this is normal, not a jam."""
+        return len(self._lanes) * self._max_batch
 
     @property
     def backlog(self) -> int:
         """Outcomes not written yet: their jobs still count against the worker's slots."""
-        return len(self._buffer)
+        return len(self._buffer) + sum(len(b) for b in self._inflight)
 
     def add(self, outcome: Outcome) -> None:
         if not self._buffer:
             self._first_at = time.monotonic()
         self._buffer.append(outcome)
-        self._ready.set()
+        if self._waiters and (len(self._buffer) == 1 or len(self._buffer) >= self._max_batch):
+            self._signal()
 
-    async def run(self) -> None:
-        async with self._held:
-            await self._run()
+    def _signal(self) -> None:
+        # A fresh event per change, so that no waiter can miss one (lanes wait concurrently).
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
 
-    async def _run(self) -> None:
-        backoff = 0.05
-        while True:
-            if not self._buffer:
-                await self._ready.wait()
-                self._ready = anyio.Event()
-                continue
-            wait = self._first_at + self._flush_interval - time.monotonic()
-            if len(self._buffer) < self._max_batch and wait > 0:
-                with anyio.move_on_after(wait):
-                    while len(self._buffer) < self._max_batch:
-                        await self._ready.wait()
-                        self._ready = anyio.Event()
-            try:
-                await self.flush()
-                backoff = 0.05
-            except (psycopg.OperationalError, PoolTimeout) as e:
-                log.warning("writing %d outcome(s) failed (%s); retrying in %.1f s",
-                            len(self._buffer), reason(e),
-                            backoff)
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+    async def _wait_changed(self, timeout: float = math.inf) -> None:
+        changed = self._changed
+        self._waiters += 1
+        try:
+            with anyio.move_on_after(timeout):
+                await changed.wait()
+        finally:
+            self._waiters -= 1
 
-    async def flush(self) -> None:
-        """Write everything buffered now. Raises on a database error, keeping the buffer."""
-        async with self._flushing:
-            while self._buffer:
-                # Flushes of max_batch rows: the completion statement's cost grows faster than
-                # its row count (its plan joins outcomes to this worker's running rows).
-                await self._flush_batch(self._buffer[: self._max_batch])
-
-    async def _flush_batch(self, batch: list[Outcome]) -> None:
-        async with self._held.connection() as conn:
-            cur = await conn.execute(
-                self._queue.sql.job_set_outcome_if_running_many,
-                {
-                    "ids": [o.job_id for o in batch],
-                    "attempts": [o.attempt for o in batch],
-                    "kinds": [o.kind for o in batch],
-                    "delays": [o.delay for o in batch],
-                    "errors": [o.error for o in batch],
-                    "worker": self._worker_id,
-                },
-            )
-            accepted = {int(r[0]) for r in await cur.fetchall()}
+    def _take(self) -> list[Outcome]:
+        batch = self._buffer[: self._max_batch]
         del self._buffer[: len(batch)]
+        self._inflight.append(batch)
         if self._buffer:
             self._first_at = time.monotonic()
+            self._signal()  # another lane may take the rest
+        return batch
+
+    def _done_with(self, batch: list[Outcome], *, written: bool) -> None:
+        self._inflight.remove(batch)
+        if not written:
+            if not self._buffer:
+                self._first_at = time.monotonic()
+            self._buffer.extend(batch)
+        self._signal()
+
+    # --- the lanes -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for held in self._lanes:
+                tg.start_soon(self._lane, held)
+
+    async def _lane(self, held: HeldConnection) -> None:
+        async with held:
+            backoff = 0.05
+            while True:
+                batch = await self._next_batch()
+                try:
+                    await self._write(held, batch, fold=True)
+                    backoff = 0.05
+                except (psycopg.OperationalError, PoolTimeout) as e:
+                    log.warning("writing %d outcome(s) failed (%s); retrying in %.1f s",
+                                len(batch), reason(e), backoff)
+                    await anyio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+
+    async def _next_batch(self) -> list[Outcome]:
+        while True:
+            timeout = math.inf
+            if self._buffer:
+                due = self._first_at + self._flush_interval - time.monotonic()
+                if len(self._buffer) >= self._max_batch or due <= 0:
+                    return self._take()
+                timeout = due
+            await self._wait_changed(timeout)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Write everything buffered now (a pooled connection, no claim). Raises on a database
+        error, keeping the outcomes."""
+        while self._buffer:
+            await self._write(None, self._take(), fold=False)
+
+    async def _write(self, held: HeldConnection | None, batch: list[Outcome], *,
+                     fold: bool) -> None:
+        """Write `batch` (already taken off the buffer); on error it goes back to the buffer."""
+        params: dict[str, object] = {
+            "outcomes": json.dumps(
+                [[o.job_id, o.attempt, o.kind, o.delay, _storable(o.error)] for o in batch],
+                separators=(",", ":")),
+            "worker": self._worker_id,
+        }
+        claim = self._fetcher.fold() if fold and self._fetcher is not None else None
+        written = False
+        try:
+            conn_cm = held.connection() if held is not None else self._queue.connection()
+            async with conn_cm as conn:
+                if claim is None:
+                    accepted = await self._set_outcomes(conn, params)
+                else:
+                    accepted = await self._set_outcomes_then_claim(conn, params, *claim)
+            written = True
+        finally:
+            if claim is not None and not written:
+                assert self._fetcher is not None
+                self._fetcher.folded_failed(claim[2])
+            self._done_with(batch, written=written)
         for o in batch:
             if o.job_id not in accepted:
                 self.refused += 1
@@ -125,17 +200,49 @@ class Completer:
                     "owns it now", o.job_id, o.attempt, o.kind)
         self._on_written([o for o in batch if o.job_id in accepted])
 
-    async def drain(self, timeout: float) -> bool:
-        """Shutdown: flush until empty or `timeout` passes; True when everything was written."""
+    async def _set_outcomes(self, conn: AsyncConnection[Any], params: dict[str, object],
+                            ) -> set[int]:
+        cur = await conn.execute(self._queue.sql.job_set_outcome_if_running_many, params)
+        return {int(r[0]) for r in await cur.fetchall()}
+
+    async def _set_outcomes_then_claim(
+        self, conn: AsyncConnection[Any], params: dict[str, object], query: Any,
+        claim_params: dict[str, object], reserved: int,
+    ) -> set[int]:
+        assert self._fetcher is not None
+        self._folds_in_flight += 1
+        try:
+            cur = await conn.execute(query, {**params, **claim_params})
+            rows = await cur.fetchall()
+        finally:
+            self._folds_in_flight -= 1
+        self._fetcher.folded_claimed([r[1:] for r in rows if r[0]], reserved)
+        return {int(r[1]) for r in rows if not r[0]}
+
+    # --- shutdown --------------------------------------------------------------------------
+
+    async def settle(self, timeout: float) -> None:
+        """Wait out flushes in flight that claim: they may still hand jobs to the fetcher."""
         with anyio.move_on_after(timeout):
-            while self._buffer:
+            while self._folds_in_flight:
+                await self._wait_changed()
+
+    async def drain(self, timeout: float) -> bool:
+        """Shutdown: flush until nothing is buffered or in flight, or `timeout` passes; True
+        when everything was written."""
+        with anyio.move_on_after(timeout):
+            while self._buffer or self._inflight:
+                if not self._buffer:
+                    await self._wait_changed()
+                    continue
                 try:
                     await self.flush()
                 except (psycopg.OperationalError, PoolTimeout) as e:
                     log.warning("final flush failed (%s); retrying", reason(e))
                     await anyio.sleep(0.2)
-        if self._buffer:
+        left = self.backlog
+        if left:
             log.error("%d outcome(s) not written at shutdown; those jobs will be reaped after "
-                      "their lease and run again", len(self._buffer))
+                      "their lease and run again", left)
             return False
         return True

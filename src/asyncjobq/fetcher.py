@@ -2,6 +2,8 @@
 
 After a full batch it claims again at once; after a short one it sleeps until a notification,
 the earliest known due run_at, or poll_interval (the safety net for lost notifications).
+While jobs flow, most claims ride on the completer's flushes instead (fold()): the slots they
+will fill are reserved until the flush returns, so the two never claim past concurrency.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
 import psycopg
+from psycopg import sql
 from psycopg_pool import PoolTimeout
 
 from .errors import reason
@@ -76,6 +80,8 @@ class Fetcher:
         self.slot_freed = anyio.Event()
         self.stopping = False
         self.claimed = 0
+        # Slots promised to a claim folded into a flush that is still in flight.
+        self._reserved = 0
         # While run() loops, claims go through a connection of its own (see heldconn).
         self._held = HeldConnection(self._queue, ROLE)
 
@@ -103,18 +109,12 @@ class Fetcher:
         self.wakeup.set()
         self.slot_freed.set()
 
-    async def claim(self, limit: int) -> list[Job]:
-        st = self._queue.sql
+    def _claim_params(self, limit: int) -> dict[str, object]:
         if len(self._queues) == 1:
-            query = st.job_claim_one_queue
-            params: dict[str, object] = {"queue": self._queues[0]}
-        else:
-            query = st.job_claim_many_queues
-            params = {"queues": self._queues}
-        params.update(worker=self._worker_id, limit=limit)
-        async with self._held.connection() as conn:
-            cur = await conn.execute(query, params)
-            rows = await cur.fetchall()
+            return {"queue": self._queues[0], "worker": self._worker_id, "limit": limit}
+        return {"queues": self._queues, "worker": self._worker_id, "limit": limit}
+
+    def _jobs(self, rows: Sequence[Sequence[Any]]) -> list[Job]:
         jobs = [
             Job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4], attempt=r[5],
                 max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id)
@@ -124,6 +124,48 @@ class Fetcher:
         jobs.sort(key=lambda j: (-j.priority, j.run_at, j.id))
         return jobs
 
+    async def claim(self, limit: int) -> list[Job]:
+        st = self._queue.sql
+        query = st.job_claim_one_queue if len(self._queues) == 1 else st.job_claim_many_queues
+        async with self._held.connection() as conn:
+            cur = await conn.execute(query, self._claim_params(limit))
+            rows = await cur.fetchall()
+        return self._jobs(rows)
+
+    # --- claims folded into the completer's flushes --------------------------------------
+
+    def fold(self) -> tuple[sql.Composed, dict[str, object], int] | None:
+        """A claim for the completer to add to its flush: (statement, params, slots reserved).
+
+        The slots stay reserved until folded_claimed() or folded_failed(); None when nothing
+        should be claimed now (stopping, or no free slot).
+        """
+        if self.stopping:
+            return None
+        limit = min(self._batch_size, self._free())
+        if limit <= 0:
+            return None
+        self._reserved += limit
+        st = self._queue.sql
+        query = (st.job_set_outcome_if_running_many_then_claim_one_queue
+                 if len(self._queues) == 1
+                 else st.job_set_outcome_if_running_many_then_claim_many_queues)
+        return query, self._claim_params(limit), limit
+
+    def folded_claimed(self, rows: Sequence[Sequence[Any]], reserved: int) -> None:
+        self._reserved -= reserved
+        jobs = self._jobs(rows)
+        for job in jobs:
+            self._dispatch(job)
+        self.claimed += len(jobs)
+
+    def folded_failed(self, reserved: int) -> None:
+        self._reserved -= reserved
+        self.slot_freed.set()
+
+    def _free(self) -> int:
+        return self._free_slots() - self._reserved
+
     async def run(self) -> None:
         async with self._held:
             await self._run()
@@ -131,7 +173,7 @@ class Fetcher:
     async def _run(self) -> None:
         backoff = 0.1
         while not self.stopping:
-            free = self._free_slots()
+            free = self._free()
             if free <= 0:
                 await self.slot_freed.wait()
                 self.slot_freed = anyio.Event()

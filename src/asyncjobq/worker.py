@@ -162,7 +162,7 @@ class Worker:
             free_slots=self._free_slots, dispatch=self._dispatch)
         completer = self.completer = Completer(
             self.queue, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
-            on_written=self._written)
+            on_written=self._written, fetcher=fetcher)
         heartbeat = self.heartbeat = Heartbeat(
             self.queue, self.id, lease=self.lease, held_ids=self._held_ids,
             running_tasks=lambda: [r.job.task for r in tuple(self._running.values())],
@@ -215,7 +215,9 @@ class Worker:
             tg.start_soon(fetcher.run)
             await self._stop.wait()
             fetcher.stop()
-        # Fetcher has returned: nothing new is claimed. Let running handlers finish...
+        # Nothing new is claimed now, except by a flush already in flight: let it land first.
+        await completer.settle(timeout=self.shutdown_timeout)
+        # Let running handlers finish...
         if self._running:
             log.info("stopping: waiting up to %.0f s for %d running job(s)",
                      self.shutdown_timeout, len(self._running))
@@ -238,10 +240,12 @@ class Worker:
             await self._none_running.wait()
 
     def _free_slots(self) -> int:
-        # Jobs whose outcomes wait beyond one flush's worth still hold their slots: claiming
-        # past the completer would pile up running rows that every flush must join against.
-        backlog = self.completer.backlog if self.completer is not None else 0
-        return self.concurrency - len(self._running) - max(0, backlog - self.batch_size)
+        # Jobs whose outcomes wait beyond what the completer's lanes write at once still hold
+        # their slots: claiming past the completer would pile up running rows that every flush
+        # must join against.
+        c = self.completer
+        held = max(0, c.backlog - c.capacity) if c is not None else 0
+        return self.concurrency - len(self._running) - held
 
     def _dispatch(self, job: Job) -> None:
         running = RunningJob(job, time.monotonic())
