@@ -112,13 +112,13 @@ def spawn_worker(dsn: str, schema: str, *args: str, app: str = "apps.testapp:que
 
 
 def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+            timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, PYTHONPATH=str(TESTS), **(env or {}))
     full_env.pop("ASYNCJOBQ_DSN", None)
     if dsn is not None:
         full_env["ASYNCJOBQ_DSN"] = dsn
     return subprocess.run([sys.executable, "-m", "asyncjobq", *args], cwd=TESTS, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, input=input)
 
 
 @pytest.fixture

@@ -80,6 +80,24 @@ def test_install_applies_then_reports_up_to_date(pg_dsn: str, schema: str) -> No
 # --- enqueue ---------------------------------------------------------------------------------
 
 
+async def test_enqueue_reads_a_large_payload_from_a_file_or_stdin(
+        queue: Queue, pg_dsn: str, tmp_path: Any) -> None:
+    # 1 MB: far past the 128 KiB Linux allows one command-line argument.
+    payload = {"blob": "x" * 1_000_000, "name": "キュー"}
+    path = tmp_path / "payload.json"
+    path.write_text(json.dumps(payload, ensure_ascii=False), "utf-8")
+    from_file = cli(queue.schema, "enqueue", "big", "--payload", f"@{path}", dsn=pg_dsn)
+    assert from_file.returncode == 0, from_file.stderr
+    from_stdin = cli(queue.schema, "enqueue", "big", "--payload", "-", dsn=pg_dsn,
+                     input=json.dumps(payload))
+    assert from_stdin.returncode == 0, from_stdin.stderr
+    for r in (from_file, from_stdin):
+        assert await fetchval(queue, "SELECT payload FROM {s}.jobs WHERE id = %s",
+                              int(r.stdout)) == payload
+    bad = cli(queue.schema, "enqueue", "big", "--payload", "-", dsn=pg_dsn, input="[1]")
+    assert_clean_error(bad, 2, "must be a JSON object, got an array")
+
+
 async def test_enqueue_prints_id_and_writes_the_options(queue: Queue, pg_dsn: str) -> None:
     payload = {"to": "a@example.com", "n": 3, "tags": ["x", "y"]}
     r = cli(queue.schema, "enqueue", "send_email", "--payload", json.dumps(payload),
@@ -254,7 +272,7 @@ async def test_retry_failed_requeues_and_filters(queue: Queue, pg_dsn: str) -> N
     (["worker", "apps.testapp:"], 2, ["not module:attribute"]),
     (["worker", ":queue"], 2, ["not module:attribute"]),
     (["worker", "apps.testapp:nope"], 1, ["has no attribute 'nope'", "apps.testapp:queue"]),
-    (["worker", "apps.notaqueue:queue"], 1, ["is a int, not an asyncjobq.Queue",
+    (["worker", "apps.notaqueue:queue"], 1, ["is an int, not an asyncjobq.Queue",
                                              "asyncjobq.Queue(...)"]),
     (["worker", "apps.testapp:log_job"], 1, ["is a Task, not an asyncjobq.Queue"]),
     (["worker", "apps.broken:queue"], 1, ["RuntimeError: broken on purpose", "broken.py:3",
@@ -268,9 +286,16 @@ async def test_retry_failed_requeues_and_filters(queue: Queue, pg_dsn: str) -> N
     (["worker"], 2, ["Missing argument 'APP'"]),
     (["enqueue", "t", "--payload", "{bad"], 2, ["--payload", "not valid JSON",
                                                 "pass an object like"]),
-    (["enqueue", "t", "--payload", "[1, 2]"], 2, ["--payload", "must be a JSON object, got list",
+    (["enqueue", "t", "--payload", "[1, 2]"], 2, ["--payload",
+                                                  "must be a JSON object, got an array",
                                                   "wrap it"]),
-    (["enqueue", "t", "--payload", "42"], 2, ["must be a JSON object, got int"]),
+    (["enqueue", "t", "--payload", "42"], 2, ["must be a JSON object, got a number"]),
+    # Python's json takes NaN and Infinity; JSON (and jsonb) do not: a usage mistake too.
+    (["enqueue", "t", "--payload", '{"x": NaN}'], 2, ["--payload", "contains NaN",
+                                                      "use a finite number"]),
+    (["enqueue", "t", "--payload", '{"x": -Infinity}'], 2, ["contains -Infinity"]),
+    (["enqueue", "t", "--payload", "@/nonexistent/payload.json"], 2, [
+        "--payload", "cannot read '/nonexistent/payload.json'", "readable UTF-8 file"]),
     (["enqueue", "t", "--priority", "high"], 2, ["--priority", "not a valid integer"]),
     (["enqueue", "t", "--delay", "-1"], 2, ["--delay"]),
     (["cancel", "abc"], 2, ["ID"]),

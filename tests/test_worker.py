@@ -4,11 +4,13 @@ notifications and reconnection."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from datetime import UTC, datetime, timedelta
 
 import anyio
 import psycopg
+import pytest
 from conftest import execute, fetchval, running, wait_for
 
 import asyncjobq
@@ -141,7 +143,9 @@ async def test_timeout_is_a_failed_attempt(queue: Queue) -> None:
         assert "timed out after 0.2 s" in info.last_error
 
 
-async def test_unknown_task_and_bad_handlers_do_not_stop_the_worker(queue: Queue) -> None:
+async def test_unknown_task_and_bad_handlers_do_not_stop_the_worker(
+        queue: Queue, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="asyncjobq")
     @queue.task(name="exit", max_attempts=1)
     async def exits(job: Job) -> None:
         raise SystemExit(3)
@@ -167,7 +171,9 @@ async def test_unknown_task_and_bad_handlers_do_not_stop_the_worker(queue: Queue
     unknown = await queue.get(bad[0])
     assert unknown is not None and unknown.last_error is not None
     assert "unknown task 'nobody.handles.this'" in unknown.last_error
-    assert "cancelled, exit, ok, unstorable" in unknown.last_error  # the registered tasks
+    assert "'cancelled', 'exit', 'ok', 'unstorable'" in unknown.last_error  # registered
+    # Someone reading only the worker's log sees every failure too.
+    assert f"job {bad[0]}: unknown task 'nobody.handles.this'" in caplog.text
     escaped = await queue.get(bad[3])
     assert escaped is not None and escaped.last_error is not None
     assert "ValueError: NUL \\x00 and a lone surrogate \\udc80" in escaped.last_error

@@ -139,7 +139,7 @@ def load_app(app: str) -> Queue:
         obj = getattr(obj, part)
     if not isinstance(obj, Queue):
         raise AppImportError(
-            f"{app} is a {type(obj).__name__}, not an asyncjobq.Queue: point APP at the "
+            f"{app} is {_article(type(obj).__name__)}, not an asyncjobq.Queue: point APP at the "
             "object created with asyncjobq.Queue(...)")
     return obj
 
@@ -228,24 +228,54 @@ def install(dsn: str | None, schema: str) -> None:
         click.echo(f"schema {schema}: up to date")
 
 
+def _article(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
 def _parse_payload(_ctx: click.Context, _param: click.Parameter, value: str) -> Any:
+    source = "JSON"
+    if value == "-" or value.startswith("@"):
+        # Large payloads cannot be arguments (Linux caps one at 128 KiB): read a file or stdin.
+        path = value[1:]
+        source = "stdin" if value == "-" else path
+        try:
+            value = sys.stdin.read() if value == "-" else Path(path).read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.BadParameter(
+                f"cannot read {path!r} ({e.__class__.__name__}: {e}): pass @FILE naming a "
+                "readable UTF-8 file, - for stdin, or the JSON itself") from None
     try:
-        payload = json.loads(value)
+        payload = json.loads(value, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise click.BadParameter(
-            f"not valid JSON ({e.msg} at column {e.colno}): pass an object like "
-            "'{\"to\": \"a@example.com\"}'") from None
+            f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): pass "
+            "an object like '{\"to\": \"a@example.com\"}'") from None
+    except ValueError as e:
+        raise click.BadParameter(
+            f"{source} contains {e}, which JSON does not allow: use a finite number, a "
+            "string or null") from None
     if not isinstance(payload, dict):
         raise click.BadParameter(
-            f"must be a JSON object, got {type(payload).__name__}: wrap it, e.g. "
+            f"must be a JSON object, got {_json_kind(payload)}: wrap it, e.g. "
             "'{\"value\": ...}'")
     return payload
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number",
+             bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 @main.command()
 @click.argument("task")
 @click.option("--payload", default="{}", callback=_parse_payload, metavar="JSON",
-              show_default=True)
+              show_default=True,
+              help="The payload object; @FILE reads it from a file, - from stdin.")
 @click.option("--queue", default="default", show_default=True)
 @click.option("--priority", type=click.IntRange(-(2**31), 2**31 - 1), default=0,
               show_default=True)

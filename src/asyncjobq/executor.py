@@ -67,15 +67,20 @@ async def execute(
     """Run the handler. Returns None only when the lease was lost (nothing may be written)."""
     job = running.job
     if task is None:
-        names = ", ".join(sorted(registered)) or "none"
+        names = ", ".join(repr(n) for n in sorted(registered)) or "none"
+        log.warning("job %s: unknown task %r, failed without retrying; register it and run "
+                    "retry-failed", job.id, job.task)
         return Outcome(job.id, job.attempt, "failed", error=(
             f"attempt {job.attempt}: unknown task {job.task!r}: this worker's registered tasks "
             f"are {names}; register it with @queue.task(name={job.task!r}) and run "
             "retry-failed"))
     if not isinstance(job.payload, dict):
+        kind = type(job.payload).__name__
+        log.warning("job %s (%s): payload is not a JSON object, failed without retrying",
+                    job.id, job.task)
         return Outcome(job.id, job.attempt, "failed", error=(
-            f"attempt {job.attempt}: payload is a {type(job.payload).__name__}, not a JSON "
-            "object; enqueue a dict"))
+            f"attempt {job.attempt}: payload is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
+            "not a JSON object; enqueue a dict"))
     timed_out = False
     result: object = None
     deadline: asyncio.Timeout | None = None
@@ -116,6 +121,8 @@ async def execute(
         return Outcome(job.id, job.attempt, "retry", delay=0.0, error=(
             f"attempt {job.attempt}: interrupted by worker {running.cancel_reason}"))
     if timed_out:
+        log.warning("job %s (%s) attempt %s timed out after %s s", job.id, job.task, job.attempt,
+                    task.timeout)
         return _failure(job, task, f"timed out after {task.timeout} s")
     if result is not None:
         log.debug("job %s (%s) returned %r; return values are ignored", job.id, job.task,
