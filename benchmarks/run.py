@@ -196,7 +196,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(data, indent=1))
         render(data)
-        log(f"done in {time.time() - started:.0f} s: {RESULTS / 'RESULTS.md'}")
+        log(f"done in {time.time() - started:.0f} s: {out / 'RESULTS.md'}")
     finally:
         if rserver is not None:
             rserver.stop()
