@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 import psycopg
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, sql
 from psycopg_pool import PoolTimeout
 
 from .errors import reason
@@ -64,7 +64,6 @@ class Completer:
         # Batches taken off the buffer by a flush that has not finished: each batch is written
         # by the flush that took it, and by no other.
         self._inflight: list[list[Outcome]] = []
-        self._folds_in_flight = 0
         self._first_at = 0.0
         self._changed = anyio.Event()
         self._waiters = 0
@@ -206,16 +205,12 @@ class Completer:
         return {int(r[0]) for r in await cur.fetchall()}
 
     async def _set_outcomes_then_claim(
-        self, conn: AsyncConnection[Any], params: dict[str, object], query: Any,
+        self, conn: AsyncConnection[Any], params: dict[str, object], query: sql.Composed,
         claim_params: dict[str, object], reserved: int,
     ) -> set[int]:
         assert self._fetcher is not None
-        self._folds_in_flight += 1
-        try:
-            cur = await conn.execute(query, {**params, **claim_params})
-            rows = await cur.fetchall()
-        finally:
-            self._folds_in_flight -= 1
+        cur = await conn.execute(query, {**params, **claim_params})
+        rows = await cur.fetchall()
         self._fetcher.folded_claimed([r[1:] for r in rows if r[0]], reserved)
         return {int(r[1]) for r in rows if not r[0]}
 
@@ -224,7 +219,7 @@ class Completer:
     async def settle(self, timeout: float) -> None:
         """Wait out flushes in flight that claim: they may still hand jobs to the fetcher."""
         with anyio.move_on_after(timeout):
-            while self._folds_in_flight:
+            while self._fetcher is not None and self._fetcher.reserved:
                 await self._wait_changed()
 
     async def drain(self, timeout: float) -> bool:

@@ -124,9 +124,12 @@ class Fetcher:
         jobs.sort(key=lambda j: (-j.priority, j.run_at, j.id))
         return jobs
 
+    def _statement(self, one_queue: sql.Composed, many_queues: sql.Composed) -> sql.Composed:
+        return one_queue if len(self._queues) == 1 else many_queues
+
     async def claim(self, limit: int) -> list[Job]:
         st = self._queue.sql
-        query = st.job_claim_one_queue if len(self._queues) == 1 else st.job_claim_many_queues
+        query = self._statement(st.job_claim_one_queue, st.job_claim_many_queues)
         async with self._held.connection() as conn:
             cur = await conn.execute(query, self._claim_params(limit))
             rows = await cur.fetchall()
@@ -147,9 +150,8 @@ class Fetcher:
             return None
         self._reserved += limit
         st = self._queue.sql
-        query = (st.job_set_outcome_if_running_many_then_claim_one_queue
-                 if len(self._queues) == 1
-                 else st.job_set_outcome_if_running_many_then_claim_many_queues)
+        query = self._statement(st.job_set_outcome_if_running_many_then_claim_one_queue,
+                                st.job_set_outcome_if_running_many_then_claim_many_queues)
         return query, self._claim_params(limit), limit
 
     def folded_claimed(self, rows: Sequence[Sequence[Any]], reserved: int) -> None:
@@ -162,6 +164,11 @@ class Fetcher:
     def folded_failed(self, reserved: int) -> None:
         self._reserved -= reserved
         self.slot_freed.set()
+
+    @property
+    def reserved(self) -> int:
+        """Slots held for folded claims still in flight."""
+        return self._reserved
 
     def _free(self) -> int:
         return self._free_slots() - self._reserved
