@@ -23,7 +23,7 @@ import psycopg
 
 from . import migrations, runtime
 from .dsn import check_dsn, validate_schema
-from .errors import AppImportError, AsyncJobQError, ConfigurationError, reason
+from .errors import AppImportError, AsyncJobQError, ConfigurationError, a_or_an, reason
 from .queue import Queue
 from .worker import Worker
 
@@ -139,7 +139,7 @@ def load_app(app: str) -> Queue:
         obj = getattr(obj, part)
     if not isinstance(obj, Queue):
         raise AppImportError(
-            f"{app} is {_article(type(obj).__name__)}, not an asyncjobq.Queue: point APP at the "
+            f"{app} is {a_or_an(type(obj).__name__)}, not an asyncjobq.Queue: point APP at the "
             "object created with asyncjobq.Queue(...)")
     return obj
 
@@ -226,10 +226,6 @@ def install(dsn: str | None, schema: str) -> None:
         click.echo(f"schema {schema}: applied migrations {', '.join(map(str, applied))}")
     else:
         click.echo(f"schema {schema}: up to date")
-
-
-def _article(noun: str) -> str:
-    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
 
 
 def _reject_constant(name: str) -> Any:

@@ -48,3 +48,8 @@ def reason(e: BaseException) -> str:
                 "new connections (check max_connections and other clients) or be down")
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def a_or_an(noun: str) -> str:
+    """'an int', 'a list': type names in messages read as English."""
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from .errors import a_or_an
 from .job import Fail, Job, Retry
 from .outcome import Outcome, default_backoff
 from .task import Task
@@ -75,12 +76,11 @@ async def execute(
             f"are {names}; register it with @queue.task(name={job.task!r}) and run "
             "retry-failed"))
     if not isinstance(job.payload, dict):
-        kind = type(job.payload).__name__
         log.warning("job %s (%s): payload is not a JSON object, failed without retrying",
                     job.id, job.task)
         return Outcome(job.id, job.attempt, "failed", error=(
-            f"attempt {job.attempt}: payload is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
-            "not a JSON object; enqueue a dict"))
+            f"attempt {job.attempt}: payload is {a_or_an(type(job.payload).__name__)}, not a "
+            "JSON object; enqueue a dict"))
     timed_out = False
     result: object = None
     deadline: asyncio.Timeout | None = None

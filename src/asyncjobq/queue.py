@@ -439,19 +439,22 @@ def _encode_payload_array(payloads: Iterable[object]) -> str:
     only to name the one at fault.
     """
     items = [{} if p is None else p for p in payloads]
-    for i, p in enumerate(items):
-        if not isinstance(p, dict):
-            _encode_payload(p, index=i)  # raises, naming the index
+    if not all(isinstance(p, dict) for p in items):
+        _encode_each(items)
     try:
         body = json.dumps(items, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as e:
-        for i, p in enumerate(items):
-            _encode_payload(p, index=i)
+        _encode_each(items)
         raise InvalidPayloadError(f"payloads are not JSON-serialisable ({e})") from None
     if "\\u0000" in body or "\\ud" in body:
-        for i, p in enumerate(items):
-            _encode_payload(p, index=i)
+        _encode_each(items)
     return body
+
+
+def _encode_each(payloads: list[object]) -> None:
+    """Encode payloads one by one: raises the error naming the first one at fault."""
+    for i, p in enumerate(payloads):
+        _encode_payload(p, index=i)
 
 
 def _storable(text: str) -> bool:
