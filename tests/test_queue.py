@@ -157,6 +157,31 @@ async def test_connection_is_pooled_autocommit(queue: Queue) -> None:
         assert await cur.fetchone() == (1,)
 
 
+async def test_pooled_connections_ended_by_the_server_are_replaced_on_checkout(
+        pg_dsn: str, schema: str) -> None:
+    # The checkout check skips the round trip for live connections; ended ones must still
+    # be noticed there, not surface as an error from the caller's statement.
+    async with Queue(pg_dsn, schema=schema, application_name=f"ended-{schema}") as q:
+        await q.install()
+        await asyncio.gather(*(q.enqueue("t", {}) for _ in range(8)))  # open several
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            ended = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = %s", (q.application_name,)).fetchone()
+            assert ended is not None and ended[0] >= 2
+            for _ in range(200):
+                left = admin.execute("SELECT count(*) FROM pg_stat_activity"
+                                     " WHERE application_name = %s",
+                                     (q.application_name,)).fetchone()
+                if left == (0,):
+                    break
+                await asyncio.sleep(0.02)
+            assert left == (0,), "terminated backends did not exit"
+        ids = await asyncio.gather(*(q.enqueue("t", {}) for _ in range(8)))
+        assert len(set(ids)) == 8
+        assert await fetchval(q, "SELECT count(*) FROM {s}.jobs") == 16
+
+
 async def test_closed_queue_says_to_open(pg_dsn: str, schema: str) -> None:
     q = Queue(pg_dsn, schema=schema)
     with pytest.raises(asyncjobq.QueueClosedError, match="async with queue"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import select
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timedelta
@@ -147,7 +148,7 @@ class Queue:
             max_size=hi,
             kwargs={"autocommit": True, "application_name": self.application_name},
             open=False,
-            check=AsyncConnectionPool.check_connection,
+            check=check_idle_connection,
             name=f"asyncjobq-{self.schema}",
             timeout=30.0,
         )
@@ -402,6 +403,22 @@ class Queue:
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_cancel, (job_id,))
             return await cur.fetchone() is not None
+
+
+async def check_idle_connection(conn: Conn) -> None:
+    """The pool's check on checkout, without a round trip for a connection that looks alive.
+
+    psycopg_pool's check_connection sends an empty query on every checkout: one enqueue()
+    became two round trips (measured: 30-40 % of the concurrent enqueue rate). An idle
+    connection has nothing to read; when the server has ended it (restart, terminated
+    backend, crash) the socket turns readable with the server's FATAL message or EOF, and
+    only then is the round trip made, which raises and makes the pool replace it.
+    """
+    if conn.closed or conn.broken:
+        raise psycopg.OperationalError("the connection is closed")
+    readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    if readable:
+        await AsyncConnectionPool.check_connection(conn)
 
 
 def _encode_payload(payload: object, index: int | None = None) -> str:
