@@ -14,6 +14,7 @@ from psycopg import sql
 
 import asyncjobq
 from asyncjobq import Queue
+from asyncjobq.inserter import Inserter
 
 
 async def test_install_is_idempotent_and_concurrency_safe(pg_dsn: str, schema: str) -> None:
@@ -224,6 +225,85 @@ async def test_bad_payloads_are_refused_before_any_io(pg_dsn: str, schema: str) 
     with pytest.raises(asyncjobq.InvalidPayloadError, match=r"payloads\[1\]"):
         await q.enqueue_many("t", [{}, [1]])  # type: ignore[list-item]
     for kwargs in ({"priority": "high"}, {"max_attempts": 0}, {"delay": -1},
-                   {"run_at": datetime.now()}, {"queue": ""}, {"dedup_key": ""}):
+                   {"delay": 1e13}, {"run_at": datetime.now()}, {"queue": ""}, {"dedup_key": ""}):
         with pytest.raises(asyncjobq.ConfigurationError):
             await q.enqueue("t", {}, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_concurrent_enqueues_share_statements_and_keep_their_own_rows(
+        queue: Queue) -> None:
+    at = datetime.now(UTC) + timedelta(hours=1)
+
+    async def one(i: int) -> tuple[int, int]:
+        job_id = await queue.enqueue(f"t{i % 3}", {"i": i}, queue=f"q{i % 2}", priority=i % 7,
+                                     max_attempts=1 + i % 4,
+                                     **({"run_at": at} if i % 5 == 0 else {"delay": i}))
+        return i, job_id
+
+    assert queue._inserter is not None
+    before = queue._inserter.statements
+    pairs = await asyncio.gather(*(one(i) for i in range(300)))
+    assert len({job_id for _, job_id in pairs}) == 300
+    assert queue._inserter.statements - before < 300, "calls were not coalesced"
+    for i, job_id in pairs:
+        info = await queue.get(job_id)
+        assert info is not None
+        assert (info.task, info.payload, info.queue, info.priority, info.max_attempts) == (
+            f"t{i % 3}", {"i": i}, f"q{i % 2}", i % 7, 1 + i % 4)
+        if i % 5 == 0:
+            assert info.run_at == at
+        else:
+            assert abs((info.run_at - info.created_at).total_seconds() - i) < 1
+
+
+async def test_a_row_the_server_refuses_fails_only_its_own_enqueue(queue: Queue) -> None:
+    # Every value enqueue() passes is checked first, so a refused row is forced here through
+    # the inserter itself: a priority that is not a number.
+    assert queue._inserter is not None
+    good = '["t",{{"n":{n}}},"default",0,null,0.0,3]'
+    rows = [good.format(n=n) for n in range(5)]
+    rows.insert(2, '["t",{},"default","high",null,0.0,3]')
+    results = await asyncio.gather(*(queue._inserter.insert(r) for r in rows),
+                                   return_exceptions=True)
+    assert isinstance(results[2], psycopg.errors.InvalidTextRepresentation)
+    ids = [r for r in results if not isinstance(r, BaseException)]
+    assert len(ids) == 5
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 5
+    payloads = [(await queue.get(int(i))).payload for i in ids]  # type: ignore[union-attr]
+    assert payloads == [{"n": n} for n in range(5)]
+
+
+async def test_enqueue_cancelled_before_its_insert_starts_writes_nothing(queue: Queue) -> None:
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def gated_write(rows: list[str]) -> list[int]:
+        entered.set()
+        await gate.wait()
+        return await queue._write_rows(rows)
+
+    inserter = Inserter(gated_write, max_in_flight=1)
+    first = asyncio.create_task(inserter.insert('["t",{"n":1},"default",0,null,0.0,3]'))
+    await asyncio.wait_for(entered.wait(), 10)
+    second = asyncio.create_task(inserter.insert('["t",{"n":2},"default",0,null,0.0,3]'))
+    await asyncio.sleep(0)  # let it queue behind the first
+    second.cancel()
+    gate.set()
+    job_id = await asyncio.wait_for(first, 10)
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await asyncio.wait_for(inserter.drain(), 10)
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 1
+    info = await queue.get(job_id)
+    assert info is not None and info.payload == {"n": 1}
+
+
+async def test_close_waits_for_enqueues_in_flight(pg_dsn: str, schema: str) -> None:
+    async with Queue(pg_dsn, schema=schema) as q:
+        await q.install()
+        calls = [asyncio.create_task(q.enqueue("t", {"i": i})) for i in range(100)]
+        await asyncio.sleep(0)  # all of them are inside enqueue() now
+    ids = await asyncio.gather(*calls)
+    async with Queue(pg_dsn, schema=schema) as q:
+        assert await fetchval(q, "SELECT count(*) FROM {s}.jobs") == 100
+        assert len(set(ids)) == 100

@@ -27,12 +27,15 @@ from .errors import (
     SchemaNotInstalledError,
     reason,
 )
+from .inserter import Inserter
 from .job import STATUSES, JobInfo
 from .pruner import DEFAULT_RETENTION, Age, Retention, prune_failed, prune_history, seconds
 from .sql import Statements, statements
 from .task import Backoff, Handler, Task
 
 Conn = AsyncConnection[Any]
+MAX_DELAY = 10_000 * 365.25 * 86400.0
+_NOT_OPEN = "the queue is not open: use `async with queue:` or `await queue.open()` first"
 
 
 class Queue:
@@ -65,6 +68,7 @@ class Queue:
         # Shown in pg_stat_activity; the worker's own connections append -listen, -heartbeat.
         self.application_name = application_name
         self._pool: AsyncConnectionPool[Conn] | None = None
+        self._inserter: Inserter | None = None
         self.tasks: dict[str, Task] = {}
         self.sql: Statements = statements(self.schema)
 
@@ -161,9 +165,13 @@ class Queue:
                 f"{self._connect_timeout} s: check max_connections and the server's load"
             ) from None
         self._pool = pool
+        # Half the pool at most for coalesced enqueues: handlers and admin calls keep the rest.
+        self._inserter = Inserter(self._write_rows, max_in_flight=max(1, hi // 2))
 
     async def close(self) -> None:
-        pool, self._pool = self._pool, None
+        if self._inserter is not None:
+            await self._inserter.drain()
+        pool, self._pool, self._inserter = self._pool, None, None
         if pool is not None:
             await pool.close()
 
@@ -182,9 +190,7 @@ class Queue:
     @property
     def pool(self) -> AsyncConnectionPool[Conn]:
         if self._pool is None:
-            raise QueueClosedError(
-                "the queue is not open: use `async with queue:` or `await queue.open()` first"
-            )
+            raise QueueClosedError(_NOT_OPEN)
         return self._pool
 
     @asynccontextmanager
@@ -255,6 +261,11 @@ class Queue:
                                       or not _storable(dedup_key)):
             raise ConfigurationError(f"dedup_key={dedup_key!r}: use a non-empty string without "
                                      "NUL or unpaired surrogates, or None")
+        if conn is None and dedup_key is None:
+            job = (f"[{json.dumps(name)},{body},{json.dumps(q)},{prio:d},"
+                   f"{json.dumps(when.isoformat() if when else None)},{json.dumps(secs)},"
+                   f"{attempts:d}]")
+            return await self._open_inserter().insert(job)
         params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
                   "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key}
         async with self._conn(conn) as c:
@@ -266,6 +277,16 @@ class Queue:
                 # The duplicate committed after our snapshot, or finished meanwhile: look again.
         raise AsyncJobQError(f"enqueue with dedup_key={dedup_key!r} kept racing with other "
                              "writers of that key: try again")
+
+    def _open_inserter(self) -> Inserter:
+        if self._inserter is None:
+            raise QueueClosedError(_NOT_OPEN)
+        return self._inserter
+
+    async def _write_rows(self, rows: list[str]) -> list[int]:
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.job_insert_rows, ("[" + ",".join(rows) + "]",))
+            return [int(r[0]) for r in await cur.fetchall()]
 
     async def enqueue_many(
         self,
@@ -516,6 +537,10 @@ def _schedule(
         if isinstance(secs, bool) or not isinstance(secs, int | float) or not math.isfinite(secs) \
                 or secs < 0:
             raise ConfigurationError(f"delay={delay!r}: use seconds >= 0 or a timedelta")
+        if secs > MAX_DELAY:
+            # Past this PostgreSQL's timestamps overflow; nobody means it.
+            raise ConfigurationError(f"delay={delay!r} is over 10,000 years: use a run_at or a "
+                                     "shorter delay")
     return run_at, float(secs)
 
 

@@ -96,6 +96,21 @@ class Statements:
             self.schema,
         )
 
+    @cached_property
+    def job_insert_rows(self) -> sql.Composed:
+        # Jobs of coalesced enqueue() calls (see inserter), each its own task, queue and
+        # schedule: one JSON array of [task, payload, queue, priority, run_at, delay,
+        # max_attempts] rows; ids come back in row order.
+        return _q(
+            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts)"
+            " SELECT r->>0, r->1, r->>2, (r->>3)::int,"
+            "   coalesce((r->>4)::timestamptz, now()) + make_interval(secs => (r->>5)::float8),"
+            "   (r->>6)::int"
+            " FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(r, n) ORDER BY n"
+            " RETURNING id",
+            self.schema,
+        )
+
     @property
     def job_insert_many(self) -> sql.Composed:
         # One statement for any number of payloads, sent as one JSON array: parsing one
