@@ -437,8 +437,13 @@ async def check_idle_connection(conn: Conn) -> None:
     """
     if conn.closed or conn.broken:
         raise psycopg.OperationalError("the connection is closed")
-    readable, _, _ = select.select([conn.fileno()], [], [], 0)
-    if readable:
+    if not hasattr(select, "poll"):  # Windows
+        await AsyncConnectionPool.check_connection(conn)
+        return
+    # poll(), not select(): select() refuses descriptors past 1024, which busy services reach.
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    if poller.poll(0):
         await AsyncConnectionPool.check_connection(conn)
 
 
@@ -538,7 +543,8 @@ def _schedule(
                 or secs < 0:
             raise ConfigurationError(f"delay={delay!r}: use seconds >= 0 or a timedelta")
         if secs > MAX_DELAY:
-            # Past this PostgreSQL's timestamps overflow; nobody means it.
+            # A sanity bound far below where PostgreSQL's timestamps overflow (294276 AD),
+            # which would fail the INSERT with a bare server error.
             raise ConfigurationError(f"delay={delay!r} is over 10,000 years: use a run_at or a "
                                      "shorter delay")
     return run_at, float(secs)
