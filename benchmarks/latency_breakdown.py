@@ -80,9 +80,15 @@ async def _worker(dsn: str, seconds: float) -> None:
 async def _produce(dsn: str, n: int) -> None:
     async with Queue(dsn, schema=SCHEMA) as q:
         await q.install()
+        took: list[float] = []
         for _ in range(n):
-            await q.enqueue("noop", {"t": _now()})
+            t = _now()
+            await q.enqueue("noop", {"t": t})
+            took.append((_now() - t) * 1000)
             await asyncio.sleep(0.005)
+        if took:
+            print(f"enqueue() returned: p50 {percentile(took, 50):.2f} ms, "
+                  f"p90 {percentile(took, 90):.2f} ms (producer's side)")
 
 
 def main() -> None:
