@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import psycopg
 import pytest
@@ -74,7 +74,7 @@ async def test_enqueue_in_rolled_back_transaction_leaves_nothing_and_wakes_nobod
 
 
 async def test_enqueue_options(queue: Queue) -> None:
-    at = datetime.now(UTC) + timedelta(hours=1)
+    at = (datetime.now(UTC) + timedelta(hours=1)).astimezone(timezone(timedelta(hours=-7)))
     a = await queue.get(await queue.enqueue("t", {}, run_at=at, queue="mail"))
     assert a is not None and a.queue == "mail" and abs((a.run_at - at).total_seconds()) < 0.01
     b = await queue.get(await queue.enqueue("t", {}, delay=60))
@@ -256,39 +256,79 @@ async def test_concurrent_enqueues_share_statements_and_keep_their_own_rows(
             assert abs((info.run_at - info.created_at).total_seconds() - i) < 1
 
 
+class GatedWrite:
+    """The queue's real INSERT, held back until `gate` opens, so that calls pile up behind it."""
+
+    def __init__(self, queue: Queue) -> None:
+        self.queue = queue
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.sizes: list[int] = []
+
+    async def __call__(self, rows: list[str]) -> list[int]:
+        self.sizes.append(len(rows))
+        self.entered.set()
+        await self.gate.wait()
+        return await self.queue._write_rows(rows)
+
+
+def _row(n: int, priority: str = "0") -> str:
+    return f'["t",{{"n":{n}}},"default",{priority},null,0.0,3]'
+
+
 async def test_a_row_the_server_refuses_fails_only_its_own_enqueue(queue: Queue) -> None:
     # Every value enqueue() passes is checked first, so a refused row is forced here through
-    # the inserter itself: a priority that is not a number.
-    assert queue._inserter is not None
-    good = '["t",{{"n":{n}}},"default",0,null,0.0,3]'
-    rows = [good.format(n=n) for n in range(5)]
-    rows.insert(2, '["t",{},"default","high",null,0.0,3]')
-    results = await asyncio.gather(*(queue._inserter.insert(r) for r in rows),
-                                   return_exceptions=True)
+    # the inserter itself: a priority that is not a number, in a batch with five good rows.
+    write = GatedWrite(queue)
+    inserter = Inserter(write, max_in_flight=1)
+    first = asyncio.create_task(inserter.insert(_row(-1)))
+    await asyncio.wait_for(write.entered.wait(), 10)
+    rows = [_row(n) for n in range(5)]
+    rows.insert(2, _row(99, priority='"high"'))
+    calls = [asyncio.create_task(inserter.insert(r)) for r in rows]
+    await asyncio.sleep(0)  # all six are pending behind the first
+    write.gate.set()
+    await asyncio.wait_for(first, 10)
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+    assert write.sizes == [1, 6, 1, 1, 1, 1, 1, 1], "not one batch, then row by row"
     assert isinstance(results[2], psycopg.errors.InvalidTextRepresentation)
     ids = [r for r in results if not isinstance(r, BaseException)]
     assert len(ids) == 5
-    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 5
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 6
     payloads = [(await queue.get(int(i))).payload for i in ids]  # type: ignore[union-attr]
     assert payloads == [{"n": n} for n in range(5)]
 
 
+async def test_batches_are_bounded_in_bytes(queue: Queue) -> None:
+    write = GatedWrite(queue)
+    inserter = Inserter(write, max_in_flight=1, max_bytes=3 * len(_row(10)))
+    first = asyncio.create_task(inserter.insert(_row(0)))
+    await asyncio.wait_for(write.entered.wait(), 10)
+    calls = [asyncio.create_task(inserter.insert(_row(n))) for n in range(10, 17)]
+    await asyncio.sleep(0)
+    write.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *calls), 10)
+    assert write.sizes == [1, 3, 3, 1]
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 8
+
+
+async def test_a_statement_failure_reaches_every_caller(pg_dsn: str, schema: str) -> None:
+    async with Queue(pg_dsn, schema=schema, pool_max_size=2) as q:  # never installed
+        results = await asyncio.gather(*(q.enqueue("t", {"i": i}) for i in range(20)),
+                                       return_exceptions=True)
+        assert q._inserter is not None and q._inserter.statements < 20
+    assert all(isinstance(r, asyncjobq.SchemaNotInstalledError) for r in results), results
+
+
 async def test_enqueue_cancelled_before_its_insert_starts_writes_nothing(queue: Queue) -> None:
-    gate = asyncio.Event()
-    entered = asyncio.Event()
-
-    async def gated_write(rows: list[str]) -> list[int]:
-        entered.set()
-        await gate.wait()
-        return await queue._write_rows(rows)
-
-    inserter = Inserter(gated_write, max_in_flight=1)
-    first = asyncio.create_task(inserter.insert('["t",{"n":1},"default",0,null,0.0,3]'))
-    await asyncio.wait_for(entered.wait(), 10)
-    second = asyncio.create_task(inserter.insert('["t",{"n":2},"default",0,null,0.0,3]'))
+    write = GatedWrite(queue)
+    inserter = Inserter(write, max_in_flight=1)
+    first = asyncio.create_task(inserter.insert(_row(1)))
+    await asyncio.wait_for(write.entered.wait(), 10)
+    second = asyncio.create_task(inserter.insert(_row(2)))
     await asyncio.sleep(0)  # let it queue behind the first
     second.cancel()
-    gate.set()
+    write.gate.set()
     job_id = await asyncio.wait_for(first, 10)
     with pytest.raises(asyncio.CancelledError):
         await second

@@ -19,8 +19,10 @@ from collections.abc import Awaitable, Callable
 
 import psycopg.errors
 
-# Errors PostgreSQL raises for a value in one row (22xxx data, 23xxx integrity).
-ROW_ERRORS = (psycopg.errors.DataError, psycopg.errors.IntegrityError)
+# Errors that one row can cause for the whole statement: a value PostgreSQL refuses (22xxx
+# data, 23xxx integrity), or rows too large together (54000, e.g. jsonb's 256 MB limit).
+ROW_ERRORS = (psycopg.errors.DataError, psycopg.errors.IntegrityError,
+              psycopg.errors.ProgramLimitExceeded)
 
 
 class Inserter:
@@ -30,21 +32,24 @@ class Inserter:
         *,
         max_in_flight: int,
         max_rows: int = 500,
+        max_bytes: int = 4 << 20,
     ) -> None:
         self._write = write  # JSON-array rows -> their ids, in order, in one statement
         self._max_in_flight = max_in_flight
         self._max_rows = max_rows
+        self._max_bytes = max_bytes  # large payloads go in smaller statements
         self._pending: deque[tuple[str, asyncio.Future[int]]] = deque()
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._idle: asyncio.Event | None = None  # created by drain(), on the running loop
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
         self.statements = 0  # INSERTs run, for tests and benchmarks
 
     async def insert(self, row: str) -> int:
         """Insert one row (a JSON array, see sql.job_insert_rows); returns its job id."""
         if self._in_flight < self._max_in_flight and not self._pending:
             # Alone: the caller's own task runs its INSERT, without a hand-off to another.
-            self._in_flight += 1
+            self._started()
             try:
                 (job_id,) = await self._insert([row])
                 return job_id
@@ -61,18 +66,22 @@ class Inserter:
     async def drain(self) -> None:
         """Wait until every accepted row has been written or has failed."""
         while self._in_flight:
-            self._idle = asyncio.Event()
             await self._idle.wait()
 
     def _launch(self) -> None:
         batch: list[tuple[str, asyncio.Future[int]]] = []
+        size = 0
         while self._pending and len(batch) < self._max_rows:
-            row, fut = self._pending.popleft()
+            row, fut = self._pending[0]
+            if batch and size + len(row) > self._max_bytes:
+                break
+            self._pending.popleft()
             if not fut.done():
                 batch.append((row, fut))
+                size += len(row)
         if not batch:
             return
-        self._in_flight += 1
+        self._started()
         task = asyncio.create_task(self._run(batch), name="asyncjobq enqueue")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -100,11 +109,15 @@ class Inserter:
         finally:
             self._finished()
 
+    def _started(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
     def _finished(self) -> None:
         self._in_flight -= 1
         if self._pending:
             self._launch()
-        if not self._in_flight and self._idle is not None:
+        if not self._in_flight:
             self._idle.set()
 
     async def _one_by_one(self, batch: list[tuple[str, asyncio.Future[int]]]) -> None:

@@ -7,7 +7,7 @@ import math
 import select
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any
 
@@ -263,7 +263,8 @@ class Queue:
                                      "NUL or unpaired surrogates, or None")
         if conn is None and dedup_key is None:
             job = (f"[{json.dumps(name)},{body},{json.dumps(q)},{prio:d},"
-                   f"{json.dumps(when.isoformat() if when else None)},{json.dumps(secs)},"
+                   f"{json.dumps(when.astimezone(UTC).isoformat() if when else None)},"
+                   f"{json.dumps(secs)},"
                    f"{attempts:d}]")
             return await self._open_inserter().insert(job)
         params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
