@@ -27,16 +27,16 @@ from .errors import reason
 from .fetcher import Fetcher
 from .heldconn import HeldConnection
 from .outcome import Outcome
-from .queue import Queue
+from .queue import Queue, _storable
 
 log = logging.getLogger("asyncjobq.worker")
 ROLE = "complete"
 
 
-def _storable(error: str | None) -> str | None:
+def _storable_error(error: str | None) -> str | None:
     """An error text PostgreSQL can store: a NUL or a lone surrogate in an exception's message
     would make the whole flush fail, every time it is retried."""
-    if error is None or (error.isascii() and "\x00" not in error):
+    if error is None or _storable(error):
         return error
     return error.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
@@ -171,7 +171,7 @@ class Completer:
         """Write `batch` (already taken off the buffer); on error it goes back to the buffer."""
         params: dict[str, object] = {
             "outcomes": json.dumps(
-                [[o.job_id, o.attempt, o.kind, o.delay, _storable(o.error)] for o in batch],
+                [[o.job_id, o.attempt, o.kind, o.delay, _storable_error(o.error)] for o in batch],
                 separators=(",", ":")),
             "worker": self._worker_id,
         }

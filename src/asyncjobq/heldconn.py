@@ -1,9 +1,9 @@
 """A connection of its own for one busy loop (the fetcher's, the completer's).
 
-Taking a connection from the pool for every claim or flush costs the pool's bookkeeping and,
-with the pool's `check=`, a round trip to test the connection before every statement: at
-thousands of statements a second that is as much as the statements themselves (measured by
-benchmarks/: one default worker went from about 7,500 to 11,000 zero-work jobs/s). A loop
+Taking a connection from the pool for every claim or flush cost the pool's bookkeeping and,
+while the pool's `check=` still sent a query on every checkout, a round trip before every
+statement (one default worker went from about 7,500 to 11,000 zero-work jobs/s when it
+stopped; the check now only polls the socket, see queue.check_idle_connection). A loop
 that runs statement after statement holds one connection instead, opened like the pool's
 (autocommit, application_name) but outside it, so handlers keep the whole pool. A connection
 that failed is closed; the next use opens another (the loops already back off on errors).
