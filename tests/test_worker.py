@@ -302,6 +302,41 @@ async def test_a_flush_claims_the_next_jobs_in_the_same_statement(queue: Queue) 
     assert await status_of(queue, rest[3]) == "queued"
 
 
+async def test_one_queue_claims_run_on_a_generic_plan_that_uses_the_claim_index(
+        queue: Queue) -> None:
+    await queue.enqueue_many("t", [{} for _ in range(5000)])
+    await execute(queue, "ANALYZE {s}.jobs")
+
+    def fetcher(queues: list[str]) -> Fetcher:
+        return Fetcher(queue, "w", queues, batch_size=10, concurrency=10, poll_interval=1,
+                       free_slots=lambda: 10, dispatch=lambda j: None)
+
+    one = fetcher(["default"])
+    async with one._held:
+        for _ in range(3):
+            assert len(await one.claim(10)) == 10
+        async with one._held.connection() as conn:
+            cur = await conn.execute(
+                "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements"
+                " WHERE statement LIKE 'UPDATE%%'")
+            ((name, generic, custom),) = await cur.fetchall()
+            assert (generic, custom) == (3, 0)
+            # The plan every claim of this connection reuses: it must read the claim index,
+            # not scan the table (IN (...) made the generic plan a hash join over a Seq Scan).
+            cur = await conn.execute(psycopg.sql.SQL("EXPLAIN EXECUTE {}('w', 'default', 10)")
+                                     .format(psycopg.sql.Identifier(name)))
+            plan = "\n".join(r[0] for r in await cur.fetchall())
+    assert "jobs_dequeue_idx" in plan and "Seq Scan" not in plan, plan
+    # Over several queues the claim sorts: a generic plan, blind to the limit, would sort the
+    # whole queue, so those connections keep PostgreSQL's own choice.
+    several = fetcher(["default", "other"])
+    completer = Completer(queue, "w", max_batch=10, fetcher=several)
+    for held in (several._held, *completer._lanes):
+        async with held, held.connection() as conn:
+            cur = await conn.execute("SHOW plan_cache_mode")
+            assert await cur.fetchone() == ("auto",)
+
+
 async def test_notification_wakes_idle_worker_long_before_poll(queue: Queue) -> None:
     started: list[float] = []
 

@@ -83,7 +83,11 @@ class Fetcher:
         # Slots promised to a claim folded into a flush that is still in flight.
         self._reserved = 0
         # While run() loops, claims go through a connection of its own (see heldconn).
-        self._held = HeldConnection(self._queue, ROLE)
+        self._held = HeldConnection(self._queue, ROLE, generic_plans=self.single_queue)
+
+    @property
+    def single_queue(self) -> bool:
+        return len(self._queues) == 1
 
     def serves(self, queue: str) -> bool:
         return queue in self._queues
@@ -110,7 +114,7 @@ class Fetcher:
         self.slot_freed.set()
 
     def _claim_params(self, limit: int) -> dict[str, object]:
-        if len(self._queues) == 1:
+        if self.single_queue:
             return {"queue": self._queues[0], "worker": self._worker_id, "limit": limit}
         return {"queues": self._queues, "worker": self._worker_id, "limit": limit}
 
@@ -125,7 +129,7 @@ class Fetcher:
         return jobs
 
     def _statement(self, one_queue: sql.Composed, many_queues: sql.Composed) -> sql.Composed:
-        return one_queue if len(self._queues) == 1 else many_queues
+        return one_queue if self.single_queue else many_queues
 
     async def claim(self, limit: int) -> list[Job]:
         st = self._queue.sql

@@ -196,13 +196,16 @@ class Statements:
     def _job_claim_update(self, queue_predicate: str) -> str:
         # One statement: lock the next due rows (skipping rows other workers hold) and mark
         # them running. FOR NO KEY UPDATE does not block foreign-key inserts into child tables.
+        # = ANY(ARRAY(...)), not IN (...): a generic plan knows neither the queue nor the limit
+        # and guesses that IN returns a tenth of the table, then hash-joins it against a
+        # sequential scan; an array's ids are looked up by primary key whatever its size.
         return (
             "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
             "   locked_at = now(), attempts = attempts + 1"
-            " WHERE id IN (SELECT id FROM {s}.jobs"
+            " WHERE id = ANY(ARRAY(SELECT id FROM {s}.jobs"
             f"   WHERE {queue_predicate} AND status = 'queued' AND run_at <= now()"
             "   ORDER BY priority DESC, run_at, id LIMIT %(limit)s"
-            "   FOR NO KEY UPDATE SKIP LOCKED)"
+            "   FOR NO KEY UPDATE SKIP LOCKED))"
             " RETURNING {c}"
         )
 
@@ -313,6 +316,13 @@ class Statements:
             " RETURNING j.id",
             self.schema,
         )
+
+    @property
+    def session_generic_plans(self) -> sql.SQL:
+        # plan_cache_mode exists from PostgreSQL 12 on; older servers keep planning each time.
+        return sql.SQL(
+            "SELECT set_config('plan_cache_mode', 'force_generic_plan', false)"
+            " WHERE current_setting('server_version_num')::int >= 120000")
 
     @property
     def queue_notify(self) -> sql.SQL:
