@@ -302,39 +302,57 @@ async def test_a_flush_claims_the_next_jobs_in_the_same_statement(queue: Queue) 
     assert await status_of(queue, rest[3]) == "queued"
 
 
-async def test_one_queue_claims_run_on_a_generic_plan_that_uses_the_claim_index(
-        queue: Queue) -> None:
+@pytest.mark.parametrize("queues", [["default"], ["default", "other"]])
+async def test_claims_run_on_a_generic_plan_that_reads_the_claim_index(
+        queue: Queue, queues: list[str]) -> None:
     await queue.enqueue_many("t", [{} for _ in range(5000)])
     await execute(queue, "ANALYZE {s}.jobs")
-
-    def fetcher(queues: list[str]) -> Fetcher:
-        return Fetcher(queue, "w", queues, batch_size=10, concurrency=10, poll_interval=1,
-                       free_slots=lambda: 10, dispatch=lambda j: None)
-
-    one = fetcher(["default"])
-    async with one._held:
+    fetcher = Fetcher(queue, "w", queues, batch_size=10, concurrency=10, poll_interval=1,
+                      free_slots=lambda: 10, dispatch=lambda j: None)
+    async with fetcher._held:
         for _ in range(3):
-            assert len(await one.claim(10)) == 10
-        async with one._held.connection() as conn:
+            assert len(await fetcher.claim(10)) == 10
+        async with fetcher._held.connection() as conn:
             cur = await conn.execute(
                 "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements"
                 " WHERE statement LIKE 'UPDATE%%'")
             ((name, generic, custom),) = await cur.fetchall()
             assert (generic, custom) == (3, 0)
-            # The plan every claim of this connection reuses: it must read the claim index,
-            # not scan the table (IN (...) made the generic plan a hash join over a Seq Scan).
-            cur = await conn.execute(psycopg.sql.SQL("EXPLAIN EXECUTE {}('w', 'default', 10)")
-                                     .format(psycopg.sql.Identifier(name)))
+            # The plan every claim of this connection reuses, blind to the queue and the
+            # limit: it must read the claim index, not scan the table (IN (...) made it a hash
+            # join over a Seq Scan; queue = ANY(...) a sort of every queued row).
+            queue_arg = psycopg.sql.Literal(queues[0] if len(queues) == 1 else queues)
+            cur = await conn.execute(
+                psycopg.sql.SQL("EXPLAIN EXECUTE {}('w', {}, 10)").format(
+                    psycopg.sql.Identifier(name), queue_arg))
             plan = "\n".join(r[0] for r in await cur.fetchall())
     assert "jobs_dequeue_idx" in plan and "Seq Scan" not in plan, plan
-    # Over several queues the claim sorts: a generic plan, blind to the limit, would sort the
-    # whole queue, so those connections keep PostgreSQL's own choice.
-    several = fetcher(["default", "other"])
-    completer = Completer(queue, "w", max_batch=10, fetcher=several)
-    for held in (several._held, *completer._lanes):
+    completer = Completer(queue, "w", max_batch=10, fetcher=fetcher)
+    for held in completer._lanes:
         async with held, held.connection() as conn:
             cur = await conn.execute("SHOW plan_cache_mode")
-            assert await cur.fetchone() == ("auto",)
+            assert await cur.fetchone() == ("force_generic_plan",)
+
+
+async def test_a_claim_over_several_queues_takes_the_first_due_jobs_of_all_of_them(
+        queue: Queue) -> None:
+    now = datetime.now(UTC)
+    ids = {}
+    for name, q, priority, age in [("a-low-old", "a", 0, 50), ("b-high", "b", 5, 1),
+                                   ("a-high", "a", 5, 2), ("b-low-older", "b", 0, 60),
+                                   ("c-top", "c", 9, 90), ("b-low-new", "b", 0, 3)]:
+        ids[name] = await queue.enqueue("t", {}, queue=q, priority=priority,
+                                        run_at=now - timedelta(seconds=age))
+    names = {v: k for k, v in ids.items()}
+    fetcher = Fetcher(queue, "w", ["a", "b"], batch_size=3, concurrency=3, poll_interval=1,
+                      free_slots=lambda: 3, dispatch=lambda j: None)
+    first = await fetcher.claim(3)
+    assert [names[j.id] for j in first] == ["a-high", "b-high", "b-low-older"]
+    # Rows a queue offered past the limit were locked only while that claim ran.
+    second = await fetcher.claim(3)
+    assert [names[j.id] for j in second] == ["a-low-old", "b-low-new"]
+    assert await fetcher.claim(3) == []
+    assert await status_of(queue, ids["c-top"]) == "queued"
 
 
 async def test_notification_wakes_idle_worker_long_before_poll(queue: Queue) -> None:

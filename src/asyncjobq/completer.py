@@ -69,10 +69,7 @@ class Completer:
         self._waiters = 0
         self.refused = 0
         # While run() loops, each lane flushes through a connection of its own (see heldconn).
-        # Generic plans unless the folded claim spans several queues (see heldconn).
-        generic = fetcher is None or fetcher.single_queue
-        self._lanes = [HeldConnection(self._queue, ROLE, generic_plans=generic)
-                       for _ in range(max(1, lanes))]
+        self._lanes = [HeldConnection(self._queue, ROLE) for _ in range(max(1, lanes))]
 
     def pending_ids(self) -> list[int]:
         """Jobs whose outcome is not written yet: still running in the table, still heartbeated."""

@@ -83,7 +83,7 @@ class Fetcher:
         # Slots promised to a claim folded into a flush that is still in flight.
         self._reserved = 0
         # While run() loops, claims go through a connection of its own (see heldconn).
-        self._held = HeldConnection(self._queue, ROLE, generic_plans=self.single_queue)
+        self._held = HeldConnection(self._queue, ROLE)
 
     @property
     def single_queue(self) -> bool:

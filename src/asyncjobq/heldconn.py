@@ -8,11 +8,11 @@ that runs statement after statement holds one connection instead, opened like th
 (autocommit, application_name) but outside it, so handlers keep the whole pool. A connection
 that failed is closed; the next use opens another (the loops already back off on errors).
 
-With `generic_plans`, the connection's prepared statements keep one generic plan instead of
-being planned again on every execution: PostgreSQL's own choice stays with custom plans for the
-completion-and-claim statement, whose planning then costs as much as running it (0.3 ms each,
-EXPLAIN ANALYZE at batch 10). Only for a worker of one queue: over several queues the claim
-needs a sort, and a generic plan, not knowing the limit, sorts the whole queue.
+Its prepared statements keep one generic plan instead of being planned again on every
+execution: PostgreSQL's own choice stays with custom plans for the completion-and-claim
+statement, whose planning then costs as much as running it (0.3 ms each, EXPLAIN ANALYZE at
+batch 10). The statements are written so that a plan blind to their parameters is still the
+right one (see sql.Statements._job_claim_update).
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from .queue import Queue
 class HeldConnection:
     """`async with held:` around the loop; inside it, `held.use()` gives the connection."""
 
-    def __init__(self, queue: Queue, role: str, *, generic_plans: bool = False) -> None:
+    def __init__(self, queue: Queue, role: str) -> None:
         self._queue = queue
         self._role = role
-        self._generic_plans = generic_plans
         self._conn: AsyncConnection[Any] | None = None
         self.active = False
 
@@ -68,16 +67,15 @@ class HeldConnection:
         conn = await AsyncConnection.connect(
             q.dsn, autocommit=True, connect_timeout=max(1, int(q._connect_timeout)),
             application_name=f"{q.application_name}-{self._role}")
-        if self._generic_plans:
-            # Prepared from the first execution, not psycopg's fifth: every claim and flush
-            # of the loop, tests' included, runs on the generic plan.
-            conn.prepare_threshold = 0
-            try:
-                await conn.execute(q.sql.session_generic_plans)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await conn.close()
-                raise
+        # Prepared from the first execution, not psycopg's fifth: every claim and flush of the
+        # loop, tests' included, runs on the generic plan.
+        conn.prepare_threshold = 0
+        try:
+            await conn.execute(q.sql.session_generic_plans)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await conn.close()
+            raise
         return conn
 
     async def close(self) -> None:

@@ -193,7 +193,7 @@ class Statements:
 
     # --- worker: claim, complete, heartbeat, release, reap ---------------------------------
 
-    def _job_claim_update(self, queue_predicate: str) -> str:
+    def _job_claim_update(self, next_due: str) -> str:
         # One statement: lock the next due rows (skipping rows other workers hold) and mark
         # them running. FOR NO KEY UPDATE does not block foreign-key inserts into child tables.
         # = ANY(ARRAY(...)), not IN (...): a generic plan knows neither the queue nor the limit
@@ -202,10 +202,7 @@ class Statements:
         return (
             "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
             "   locked_at = now(), attempts = attempts + 1"
-            " WHERE id = ANY(ARRAY(SELECT id FROM {s}.jobs"
-            f"   WHERE {queue_predicate} AND status = 'queued' AND run_at <= now()"
-            "   ORDER BY priority DESC, run_at, id LIMIT %(limit)s"
-            "   FOR NO KEY UPDATE SKIP LOCKED))"
+            f" WHERE id = ANY(ARRAY({next_due}))"
             " RETURNING {c}"
         )
 
@@ -213,10 +210,24 @@ class Statements:
         return sql.SQL(template).format(s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS),
                                         h=sql.SQL(HISTORY_COLUMNS))
 
-    # Equality on queue lets the planner read jobs_dequeue_idx in ORDER BY order; ANY() over
-    # several queues still uses the index, but needs a sort.
-    _ONE_QUEUE = "queue = %(queue)s"
-    _MANY_QUEUES = "queue = ANY(%(queues)s)"
+    # The next due rows of one queue, read off jobs_dequeue_idx in claim order.
+    _ONE_QUEUE = (
+        "SELECT id FROM {s}.jobs"
+        " WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now()"
+        " ORDER BY priority DESC, run_at, id LIMIT %(limit)s"
+        " FOR NO KEY UPDATE SKIP LOCKED")
+    # Several queues: each queue's next rows from its own range of the index, then the first of
+    # those. One scan with queue = ANY(...) cannot read the index in claim order, so it sorted
+    # every due job of the queues on every claim (260 ms a claim with 1,000,000 queued). The
+    # rows locked here but past the final LIMIT stay queued; other workers skip them only until
+    # this statement commits.
+    _MANY_QUEUES = (
+        "SELECT n.id FROM unnest(%(queues)s::text[]) AS q(name)"
+        " CROSS JOIN LATERAL (SELECT id, priority, run_at FROM {s}.jobs"
+        "   WHERE queue = q.name AND status = 'queued' AND run_at <= now()"
+        "   ORDER BY priority DESC, run_at, id LIMIT %(limit)s"
+        "   FOR NO KEY UPDATE SKIP LOCKED) n"
+        " ORDER BY n.priority DESC, n.run_at, n.id LIMIT %(limit)s")
 
     @cached_property
     def job_claim_one_queue(self) -> sql.Composed:
@@ -281,7 +292,7 @@ class Statements:
             "WITH " + self._OUTCOME_CTES
             + " SELECT id FROM archived UNION ALL SELECT id FROM updated")
 
-    def _job_set_outcome_then_claim(self, queue_predicate: str) -> sql.Composed:
+    def _job_set_outcome_then_claim(self, next_due: str) -> sql.Composed:
         # The flush and the next claim in one statement, one round trip and one commit: the
         # article's loop pays two of each per batch. The claim's snapshot predates the
         # outcomes, so a job retried here is claimable from the next statement on. Rows come
@@ -290,7 +301,7 @@ class Statements:
         nulls = ", NULL" * CLAIM_COLUMNS.count(",")
         return self._compose(
             "WITH " + self._OUTCOME_CTES
-            + ", claimed AS (" + self._job_claim_update(queue_predicate) + ")"
+            + ", claimed AS (" + self._job_claim_update(next_due) + ")"
             " SELECT true, {c} FROM claimed"
             f" UNION ALL SELECT false, id{nulls} FROM archived"
             f" UNION ALL SELECT false, id{nulls} FROM updated")
