@@ -61,6 +61,17 @@ def _failure(job: Job, task: Task | None, error: str) -> Outcome:
     return Outcome(job.id, job.attempt, "retry", delay=delay, error=message)
 
 
+async def _call(task: Task, job: Job, limiter: anyio.CapacityLimiter) -> object:
+    if task.is_async:
+        result = await task.handler(job)  # type: ignore[misc]
+    else:
+        result = await anyio.to_thread.run_sync(
+            task.handler, job, abandon_on_cancel=True, limiter=limiter)
+    if inspect.isawaitable(result):  # a sync callable that returned a coroutine
+        result = await result
+    return result
+
+
 async def execute(
     running: RunningJob, task: Task | None, registered: Iterable[str],
     limiter: anyio.CapacityLimiter,
@@ -85,15 +96,13 @@ async def execute(
     result: object = None
     deadline: asyncio.Timeout | None = None
     try:
-        async with asyncio.timeout(task.timeout) as deadline:
-            if task.is_async:
-                result = await task.handler(job)  # type: ignore[misc]
-            else:
-                result = await anyio.to_thread.run_sync(
-                    task.handler, job, abandon_on_cancel=True, limiter=limiter
-                )
-            if inspect.isawaitable(result):  # a sync callable that returned a coroutine
-                result = await result
+        if task.timeout is None:
+            # No asyncio.timeout at all: its enter and exit cost 1.7 us a job, a few per cent
+            # of a zero-work job's CPU in the worker.
+            result = await _call(task, job, limiter)
+        else:
+            async with asyncio.timeout(task.timeout) as deadline:
+                result = await _call(task, job, limiter)
     except TimeoutError as e:
         if deadline is None or not deadline.expired():
             return _raised(job, task, e)  # the handler's own TimeoutError
