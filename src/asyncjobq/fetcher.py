@@ -70,7 +70,8 @@ class Fetcher:
     ) -> None:
         self._queue = queue
         self._worker_id = worker_id
-        self._queues = list(queues)
+        # Unique: a queue named twice would fill half of each claim with the same rows.
+        self._queues = list(dict.fromkeys(queues))
         self._batch_size = batch_size
         self._concurrency = concurrency
         self._poll_interval = poll_interval

@@ -68,7 +68,7 @@ class HeldConnection:
             q.dsn, autocommit=True, connect_timeout=max(1, int(q._connect_timeout)),
             application_name=f"{q.application_name}-{self._role}")
         # Prepared from the first execution, not psycopg's fifth: every claim and flush of the
-        # loop, tests' included, runs on the generic plan.
+        # loop runs on the generic plan (direct calls outside the loop use the pool).
         conn.prepare_threshold = 0
         try:
             await conn.execute(q.sql.session_generic_plans)

@@ -219,8 +219,11 @@ class Statements:
     # Several queues: each queue's next rows from its own range of the index, then the first of
     # those. One scan with queue = ANY(...) cannot read the index in claim order, so it sorted
     # every due job of the queues on every claim (260 ms a claim with 1,000,000 queued). The
-    # rows locked here but past the final LIMIT stay queued; other workers skip them only until
-    # this statement commits.
+    # price: each queue's next `limit` rows are locked, up to (queues - 1) x limit more than are
+    # claimed. They stay queued, and other workers' claims skip them until this statement
+    # commits; with a backlog those claims take the rows after them, but when a few jobs are
+    # all that is due, another worker can come back short and wait for its next wake-up, while
+    # this one claims the rest with its next batch.
     _MANY_QUEUES = (
         "SELECT n.id FROM unnest(%(queues)s::text[]) AS q(name)"
         " CROSS JOIN LATERAL (SELECT id, priority, run_at FROM {s}.jobs"
