@@ -16,6 +16,7 @@ from conftest import execute, fetchval, running, wait_for
 import asyncjobq
 from asyncjobq import Fail, Job, Queue, Retry, Worker
 from asyncjobq.completer import Completer
+from asyncjobq.doctor import explain_claim
 from asyncjobq.fetcher import Fetcher
 from asyncjobq.outcome import Outcome
 from asyncjobq.reaper import Reaper
@@ -342,6 +343,26 @@ async def test_claims_run_on_a_generic_plan_that_reads_the_claim_index(
         async with held, held.connection() as conn:
             cur = await conn.execute("SHOW plan_cache_mode")
             assert await cur.fetchone() == ("force_generic_plan",)
+
+
+@pytest.mark.parametrize("queues", [["default"], ["default", "other"]])
+async def test_claims_do_not_walk_jobs_that_are_not_due_yet(
+        queue: Queue, queues: list[str]) -> None:
+    later = datetime.now(UTC) + timedelta(hours=1)
+    # Not due: a higher priority holding only delayed jobs, and delayed jobs behind the due
+    # ones of the lower priority.
+    await queue.enqueue_many("t", [{} for _ in range(3000)], priority=10, run_at=later)
+    await queue.enqueue_many("t", [{} for _ in range(3000)], priority=0, run_at=later)
+    due = await queue.enqueue_many("t", [{} for _ in range(5)], priority=0)
+    await execute(queue, "ANALYZE {s}.jobs")
+    async with queue.connection() as conn:
+        claim = await explain_claim(conn, queue.sql, "default", limit=10)
+    # A few index descents, not the 6,000 delayed entries (about 40 leaf pages).
+    assert claim["blocks"] < 20, claim
+    fetcher = Fetcher(queue, "w", queues, batch_size=10, concurrency=10, poll_interval=1,
+                      free_slots=lambda: 10, dispatch=lambda j: None)
+    assert sorted(j.id for j in await fetcher.claim(10)) == due
+    assert await fetcher.claim(10) == []
 
 
 async def test_a_claim_over_several_queues_takes_the_first_due_jobs_of_all_of_them(

@@ -245,18 +245,24 @@ def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _summarise_plan(queue_name: str, plan: dict[str, Any]) -> dict[str, Any]:
     nodes = _nodes(plan.get("Plan", {}))
-    scan = next((n for n in nodes if n.get("Index Name") == "jobs_dequeue_idx"), None)
-    if scan is None:  # no claim index: whichever node reads jobs other than by primary key
-        scan = next((n for n in nodes if n.get("Relation Name") == "jobs"
-                     and n.get("Index Name") != "jobs_pkey"
-                     and n.get("Node Type") != "ModifyTable"), {})
+    # The claim reads the index several times (a descent per priority, then each priority's
+    # due rows): its cost is all of those reads together.
+    scans = [n for n in nodes if n.get("Index Name") == "jobs_dequeue_idx"]
+    if not scans:  # no claim index: whichever node reads jobs other than by primary key
+        scans = [next((n for n in nodes if n.get("Relation Name") == "jobs"
+                       and n.get("Index Name") != "jobs_pkey"
+                       and n.get("Node Type") != "ModifyTable"), {})]
+    # The node that hands out the claimed rows: the last read of the index in the plan.
+    scan = scans[-1]
+    hit = sum(int(n.get("Shared Hit Blocks", 0)) for n in scans)
+    read = sum(int(n.get("Shared Read Blocks", 0)) for n in scans)
     return {
         "queue": queue_name,
         "scan": scan.get("Node Type", "?"),
         "index": scan.get("Index Name"),
-        "blocks": int(scan.get("Shared Hit Blocks", 0)) + int(scan.get("Shared Read Blocks", 0)),
-        "blocks_read": int(scan.get("Shared Read Blocks", 0)),
-        "rows": int(scan.get("Actual Rows", 0)),
+        "blocks": hit + read,
+        "blocks_read": read,
+        "rows": int(scan.get("Actual Rows", 0)) * int(scan.get("Actual Loops", 1)),
         "execution_ms": round(float(plan.get("Execution Time", 0.0)), 3),
         "planning_ms": round(float(plan.get("Planning Time", 0.0)), 3),
     }
