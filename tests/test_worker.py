@@ -22,6 +22,12 @@ from asyncjobq.outcome import Outcome
 from asyncjobq.reaper import Reaper
 
 
+def claimer(queue: Queue, queues: list[str], batch: int) -> Fetcher:
+    """A fetcher for calling claim() directly: `batch` slots, always free."""
+    return Fetcher(queue, "w", queues, batch_size=batch, concurrency=batch, poll_interval=1,
+                   free_slots=lambda: batch, dispatch=lambda j: None)
+
+
 async def status_of(queue: Queue, job_id: int) -> str:
     info = await queue.get(job_id)
     assert info is not None
@@ -306,8 +312,7 @@ async def test_a_flush_claims_the_next_jobs_in_the_same_statement(queue: Queue) 
 @pytest.mark.parametrize("queues", [["default"], ["default", "other"]])
 async def test_claims_run_on_a_generic_plan_that_reads_the_claim_index(
         queue: Queue, queues: list[str]) -> None:
-    fetcher = Fetcher(queue, "w", queues, batch_size=10, concurrency=10, poll_interval=1,
-                      free_slots=lambda: 10, dispatch=lambda j: None)
+    fetcher = claimer(queue, queues, 10)
     queue_arg = psycopg.sql.Literal(queues[0] if len(queues) == 1 else queues)
 
     async def reused_plan(claims: int) -> str:
@@ -359,8 +364,7 @@ async def test_claims_do_not_walk_jobs_that_are_not_due_yet(
         claim = await explain_claim(conn, queue.sql, "default", limit=10)
     # A few index descents, not the 6,000 delayed entries (about 40 leaf pages).
     assert claim["blocks"] < 20, claim
-    fetcher = Fetcher(queue, "w", queues, batch_size=10, concurrency=10, poll_interval=1,
-                      free_slots=lambda: 10, dispatch=lambda j: None)
+    fetcher = claimer(queue, queues, 10)
     assert sorted(j.id for j in await fetcher.claim(10)) == due
     assert await fetcher.claim(10) == []
 
@@ -375,8 +379,7 @@ async def test_a_claim_over_several_queues_takes_the_first_due_jobs_of_all_of_th
         ids[name] = await queue.enqueue("t", {}, queue=q, priority=priority,
                                         run_at=now - timedelta(seconds=age))
     names = {v: k for k, v in ids.items()}
-    fetcher = Fetcher(queue, "w", ["a", "b"], batch_size=3, concurrency=3, poll_interval=1,
-                      free_slots=lambda: 3, dispatch=lambda j: None)
+    fetcher = claimer(queue, ["a", "b"], 3)
     first = await fetcher.claim(3)
     assert [names[j.id] for j in first] == ["a-high", "b-high", "b-low-older"]
     # Rows a queue offered past the limit were locked only while that claim ran.
