@@ -16,7 +16,7 @@ import pytest
 from conftest import execute, fetchval, run_cli, running, wait_for
 
 from asyncjobq import Job, Queue, Worker
-from asyncjobq.doctor import CLAIM_BLOCKS_PROBLEM, PROBLEM, Report, diagnose
+from asyncjobq.doctor import CLAIM_BLOCKS_PROBLEM, PROBLEM, Report, diagnose, explain_claim
 from asyncjobq.errors import ConfigurationError
 from asyncjobq.pruner import Retention, prune_history
 
@@ -208,6 +208,26 @@ async def test_doctor_on_a_healthy_queue(queue: Queue) -> None:
     assert {i["index"] for i in report.indexes} >= {"jobs_dequeue_idx", "jobs_running_idx"}
 
 
+async def test_doctor_explains_the_generic_plan_workers_run(queue: Queue) -> None:
+    # Workers plan the claim once for any queue and limit (heldconn.py); a plan made for the
+    # bound values could read the table differently, so doctor must show the generic one.
+    await queue.enqueue_many("t", [{"i": i} for i in range(3000)])
+    await execute(queue, "ANALYZE {s}.jobs")
+    async with queue.connection() as conn:
+        # After 5 runs psycopg prepares a statement of its own, and from then on it answers a
+        # ROLLBACK with DEALLOCATE ALL, doctor's prepared claim included.
+        for _ in range(6):
+            await conn.execute("SELECT %s::int", (1,))
+        for _ in range(2):  # the prepared claim is gone after each look
+            claim = await explain_claim(conn, queue.sql, "default", limit=5)
+            assert claim["generic"], claim
+            assert claim["index"] == "jobs_dequeue_idx" and claim["rows"] == 5, claim
+        cur = await conn.execute(
+            "SELECT name FROM pg_prepared_statements WHERE name NOT LIKE %s", ("_pg3%",))
+        assert await cur.fetchall() == []
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'queued'") == 3000
+
+
 async def test_doctor_finds_a_missing_index(queue: Queue) -> None:
     await execute(queue, "DROP INDEX {s}.jobs_dequeue_idx")
     [found] = problems(await diagnose(queue), "indexes")
@@ -309,8 +329,6 @@ async def test_workers_vacuum_the_hot_table_between_autovacuums(queue: Queue) ->
     await queue.enqueue("t", {})
 
     async def claim_blocks() -> int:
-        from asyncjobq.doctor import explain_claim
-
         async with queue.connection() as conn:
             return int((await explain_claim(conn, queue.sql, "default"))["blocks"])
 

@@ -1,11 +1,12 @@
 """`asyncjobq doctor`: what the queue tables are doing, and what to do about it.
 
-Everything here reads; the one statement that writes (the claim, run under EXPLAIN ANALYZE to
-see its real plan and buffers) runs in a transaction that is always rolled back.
+Everything here reads; the one statement that writes (the claim, prepared as workers plan it and
+run under EXPLAIN ANALYZE to see its plan and buffers) runs in a transaction always rolled back.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -223,17 +224,27 @@ async def _check_xmin(report: Report, conn: Any, st: Any, xmin_age: float) -> No
 
 
 async def explain_claim(conn: Any, st: Any, queue_name: str, limit: int = 1) -> dict[str, Any]:
-    """The claim statement run under EXPLAIN (ANALYZE, BUFFERS), rolled back: its scan, blocks,
-    time."""
-    async with conn.transaction(force_rollback=True):
-        # Never wait on a lock or run long: this is a look, not a claim.
-        await conn.execute(st.doctor_set_local_timeouts)
-        cur = await conn.execute(st.job_claim_one_queue_explain,
-                                 {"queue": queue_name, "worker": "asyncjobq-doctor",
-                                  "limit": limit})
-        row = await cur.fetchone()
+    """The claim statement workers run, its generic plan, under EXPLAIN (ANALYZE, BUFFERS),
+    rolled back: its scan, blocks, time."""
+    # A rollback does not undo PREPARE, but psycopg answers one with DEALLOCATE ALL when it has
+    # prepared statements of its own on the connection: look before dropping ours.
+    await conn.execute(st.job_claim_one_queue_prepare)
+    try:
+        async with conn.transaction(force_rollback=True):
+            # Never wait on a lock or run long: this is a look, not a claim.
+            await conn.execute(st.doctor_set_local_timeouts)
+            await conn.execute(st.doctor_generic_plans_local)
+            cur = await conn.execute(
+                st.job_claim_one_queue_explain("asyncjobq-doctor", queue_name, limit))
+            row = await cur.fetchone()
+    finally:
+        if not conn.closed and await (await conn.execute(st.doctor_claim_prepared)).fetchone():
+            await conn.execute(st.job_claim_one_queue_deallocate)
     plan = row[0][0] if row else {}
     return _summarise_plan(queue_name, plan)
+
+
+_PARAMETER = re.compile(r"\$\d")
 
 
 def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
@@ -260,6 +271,8 @@ def _summarise_plan(queue_name: str, plan: dict[str, Any]) -> dict[str, Any]:
         "queue": queue_name,
         "scan": scan.get("Node Type", "?"),
         "index": scan.get("Index Name"),
+        # A plan made for the parameters' values compares with the literals instead.
+        "generic": any(_PARAMETER.search(str(n.get("Index Cond", ""))) for n in scans),
         "blocks": hit + read,
         "blocks_read": read,
         "rows": int(scan.get("Actual Rows", 0)) * int(scan.get("Actual Loops", 1)),

@@ -565,11 +565,43 @@ class Statements:
     def server_now(self) -> sql.SQL:
         return sql.SQL("SELECT now()")
 
+    # doctor: the claim plan workers run. Their connections plan generically
+    # (session_generic_plans), and EXPLAIN of the statement with its parameters bound shows a
+    # plan made for those values, which can read the table differently. The claim is PREPAREd
+    # with positional parameters and EXPLAINed as EXECUTE under force_generic_plan instead
+    # (EXPLAIN (GENERIC_PLAN) cannot ANALYZE, and needs PostgreSQL 16).
+    DOCTOR_CLAIM = "asyncjobq_doctor_claim"
+
     @property
-    def job_claim_one_queue_explain(self) -> sql.Composed:
-        # The real claim statement, measured; the caller runs it in a rolled-back transaction.
-        return sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}").format(
-            self.job_claim_one_queue)
+    def doctor_generic_plans_local(self) -> sql.SQL:
+        return sql.SQL(
+            "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
+            " WHERE current_setting('server_version_num')::int >= 120000")
+
+    @property
+    def job_claim_one_queue_prepare(self) -> sql.Composed:
+        # The placeholders are this module's own, swapped in the template before composing.
+        template = self._job_claim_update(self._next_due_one_queue)
+        for placeholder, position in (("%(worker)s", "$1"), ("%(queue)s", "$2"),
+                                      ("%(limit)s", "$3")):
+            template = template.replace(placeholder, position)
+        return sql.SQL("PREPARE {} (text, text, bigint) AS ").format(
+            sql.Identifier(self.DOCTOR_CLAIM)) + self._compose(template)
+
+    def job_claim_one_queue_explain(self, worker: str, queue: str, limit: int) -> sql.Composed:
+        # Measured for real (ANALYZE); the caller runs it in a rolled-back transaction.
+        return sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}({}, {}, {})").format(
+            sql.Identifier(self.DOCTOR_CLAIM), sql.Literal(worker), sql.Literal(queue),
+            sql.Literal(limit))
+
+    @property
+    def doctor_claim_prepared(self) -> sql.Composed:
+        return sql.SQL("SELECT 1 FROM pg_prepared_statements WHERE name = {}").format(
+            sql.Literal(self.DOCTOR_CLAIM))
+
+    @property
+    def job_claim_one_queue_deallocate(self) -> sql.Composed:
+        return sql.SQL("DEALLOCATE {}").format(sql.Identifier(self.DOCTOR_CLAIM))
 
     @property
     def migrations_table_exists(self) -> sql.Composed:
