@@ -256,8 +256,9 @@ def report(soak: Soak, dsn_label: str, elapsed: float) -> None:
         f"{a.workers} worker processes (`--concurrency {a.concurrency} --batch {a.batch}`), "
         f"zero-work jobs, offered at {a.rate} jobs/s in `enqueue_many` chunks of 100. The claim "
         "is the worker's own statement, prepared and run with its generic plan as workers run "
-        "it, under `EXPLAIN (ANALYZE, BUFFERS)` in a rolled-back transaction, median of 5 per sample, with limit 1 (the article's measure: claiming "
-        "one job) and limit 10 (the worker's batch); blocks are shared hit + read of every "
+        "it, under `EXPLAIN (ANALYZE, BUFFERS)` in a rolled-back transaction, median of 5 "
+        "per sample, with limit 1 (the article's measure: claiming one job) and limit 10 "
+        "(the worker's batch); blocks are shared hit + read of every "
         "read of `jobs_dequeue_idx` in the plan (index pages, plus heap pages of rows it visits).",
         "",
         "## Targets",
