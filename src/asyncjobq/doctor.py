@@ -233,7 +233,7 @@ async def explain_claim(conn: Any, st: Any, queue_name: str, limit: int = 1) -> 
         async with conn.transaction(force_rollback=True):
             # Never wait on a lock or run long: this is a look, not a claim.
             await conn.execute(st.doctor_set_local_timeouts)
-            await conn.execute(st.doctor_generic_plans_local)
+            await conn.execute(st.doctor_worker_plans_local)
             cur = await conn.execute(
                 st.job_claim_one_queue_explain("asyncjobq-doctor", queue_name, limit))
             row = await cur.fetchone()

@@ -71,7 +71,7 @@ class HeldConnection:
         # loop runs on the generic plan (direct calls outside the loop use the pool).
         conn.prepare_threshold = 0
         try:
-            await conn.execute(q.sql.session_generic_plans)
+            await conn.execute(q.sql.session_worker_plans)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await conn.close()
