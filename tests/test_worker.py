@@ -225,6 +225,29 @@ async def test_batch_claims_at_most_free_slots(queue: Queue) -> None:
     assert peak[0] == 4
 
 
+async def test_handlers_never_outnumber_concurrency_while_jobs_flow(queue: Queue) -> None:
+    # Claims of the fetcher and claims folded into flushes overlap while jobs flow; each must
+    # count the other's slots (a fold during a fetcher's claim ran 8 handlers at concurrency 6).
+    active: list[int] = []
+    peak = [0]
+    ran: list[int] = []
+
+    @queue.task(name="brief")
+    async def brief(job: Job) -> None:
+        active.append(job.id)
+        peak[0] = max(peak[0], len(active))
+        await asyncio.sleep(0.0005 * (job.id % 3))
+        active.remove(job.id)
+        ran.append(job.id)
+
+    await queue.enqueue_many("brief", [{} for _ in range(3000)])
+    async with running(Worker(queue, concurrency=6, batch_size=3, poll_interval=0.05)):
+        await wait_for(lambda: fetchval(queue, "SELECT count(*) = 0 FROM {s}.jobs"),
+                       timeout=60, what="drain")
+    assert len(ran) == len(set(ran)) == 3000
+    assert peak[0] <= 6
+
+
 async def test_heartbeat_keeps_a_long_job_alive(queue: Queue) -> None:
     runs: list[int] = []
 

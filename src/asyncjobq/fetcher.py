@@ -178,6 +178,16 @@ class Fetcher:
     def _free(self) -> int:
         return self._free_slots() - self._reserved
 
+    async def _claim_reserving(self, limit: int) -> list[Job]:
+        # The slots stay reserved while the claim is in flight, as a folded claim's do: a flush
+        # folding a claim meanwhile would otherwise count them as free too, and the worker
+        # would run more handlers at once than its concurrency.
+        self._reserved += limit
+        try:
+            return await self.claim(limit)
+        finally:
+            self._reserved -= limit
+
     async def run(self) -> None:
         async with self._held:
             await self._run()
@@ -192,7 +202,7 @@ class Fetcher:
                 continue
             limit = min(self._batch_size, free)
             try:
-                jobs = await self.claim(limit)
+                jobs = await self._claim_reserving(limit)
                 backoff = 0.1
             except (psycopg.OperationalError, PoolTimeout) as e:
                 log.warning("claiming jobs failed (%s); retrying in %.1f s",
