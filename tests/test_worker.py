@@ -533,6 +533,46 @@ async def test_only_one_reaper_works_at_a_time(queue: Queue, pg_dsn: str) -> Non
     assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'failed'") == 3
 
 
+async def test_garbage_retry_delays_fail_the_attempt_not_the_worker(queue: Queue) -> None:
+    # A NaN or an infinite delay in a flush fails the statement, with every outcome batched
+    # with it, each time the flush is tried again; the worker died of it before.
+    @queue.task(name="forever", max_attempts=1)
+    async def forever(job: Job) -> None:
+        raise Retry(delay=float("inf"))
+
+    def nan_backoff(attempt: int) -> float:
+        return float("nan")
+
+    def broken_backoff(attempt: int) -> float:
+        raise RuntimeError("backoff bug")
+
+    @queue.task(name="nan", max_attempts=2, backoff=nan_backoff)
+    async def nan(job: Job) -> None:
+        raise RuntimeError("not yet")
+
+    @queue.task(name="broken", max_attempts=2, backoff=broken_backoff)
+    async def broken(job: Job) -> None:
+        raise RuntimeError("not yet")
+
+    @queue.task(name="fine")
+    async def fine(job: Job) -> None: ...
+
+    forever_id, nan_id, broken_id = (await forever.enqueue({}), await nan.enqueue({}),
+                                     await broken.enqueue({}))
+    fine_ids = await queue.enqueue_many("fine", [{} for _ in range(20)])
+    retried = ("SELECT count(*) = 2 FROM {s}.jobs WHERE id = ANY(%s) AND status = 'queued'"
+               " AND attempts = 1 AND run_at > now() + interval '1 second'")
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: all_done(queue, [forever_id], "failed"), what="forever failed")
+        await wait_for(lambda: all_done(queue, fine_ids), what="the other jobs done")
+        # Retried on the default backoff (2 s and more after the first attempt).
+        await wait_for(lambda: fetchval(queue, retried, [nan_id, broken_id]),
+                       what="retries scheduled")
+    info = await queue.get(forever_id)
+    assert info is not None and info.last_error is not None
+    assert "Retry(delay=inf): use a number of seconds from 0 to 10,000 years" in info.last_error
+
+
 async def test_retry_due_before_poll_wakes_the_worker(queue: Queue) -> None:
     times: list[float] = []
 

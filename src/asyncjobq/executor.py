@@ -12,8 +12,8 @@ import anyio
 
 from .errors import a_or_an
 from .job import Fail, Job, Retry
-from .outcome import Outcome, default_backoff
-from .task import Task
+from .outcome import MAX_DELAY, Outcome, default_backoff
+from .task import Backoff, Task
 
 log = logging.getLogger("asyncjobq.worker")
 
@@ -56,9 +56,27 @@ def _failure(job: Job, task: Task | None, error: str) -> Outcome:
     message = f"attempt {job.attempt}: {error}"
     if job.attempt >= job.max_attempts:
         return Outcome(job.id, job.attempt, "failed", error=message)
-    backoff = task.backoff if task and task.backoff else default_backoff
-    delay = max(0.0, backoff(job.attempt))
+    if task is None or task.backoff is None:
+        delay = default_backoff(job.attempt)
+    else:
+        delay = _custom_backoff(job, task.backoff)
     return Outcome(job.id, job.attempt, "retry", delay=delay, error=message)
+
+
+def _custom_backoff(job: Job, backoff: Backoff) -> float:
+    # What a task's own backoff returns goes into the completer's flush with other jobs'
+    # outcomes: a NaN there would fail the whole flush, every time it is tried again.
+    try:
+        delay: object = backoff(job.attempt)
+    except Exception as e:
+        log.warning("job %s (%s): its backoff raised %s; retrying on the default backoff "
+                    "instead; fix the task's backoff", job.id, job.task, _describe(e))
+        return default_backoff(job.attempt)
+    if isinstance(delay, int | float) and not isinstance(delay, bool) and delay == delay:
+        return min(max(0.0, float(delay)), MAX_DELAY)  # as before: below 0 means at once
+    log.warning("job %s (%s): its backoff returned %r, not a number of seconds; retrying on "
+                "the default backoff instead; fix the task's backoff", job.id, job.task, delay)
+    return default_backoff(job.attempt)
 
 
 async def _call(task: Task, job: Job, limiter: anyio.CapacityLimiter) -> object:

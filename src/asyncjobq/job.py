@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from .outcome import is_delay
+
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 STATUSES: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cancelled")
 
@@ -48,8 +50,9 @@ class Retry(Exception):
     """Raise in a handler to run the job again after `delay` seconds, not counted as an error."""
 
     def __init__(self, delay: float = 0.0, reason: str | None = None) -> None:
-        if delay < 0:
-            raise ValueError(f"Retry(delay={delay!r}): delay must be >= 0 seconds")
+        if not is_delay(delay):
+            raise ValueError(f"Retry(delay={delay!r}): use a number of seconds from 0 to "
+                             "10,000 years")
         super().__init__(reason or f"retry in {delay} s")
         self.delay = float(delay)
 

@@ -29,12 +29,12 @@ from .errors import (
 )
 from .inserter import Inserter
 from .job import STATUSES, JobInfo
+from .outcome import MAX_DELAY
 from .pruner import DEFAULT_RETENTION, Age, Retention, prune_failed, prune_history, seconds
 from .sql import Statements, statements
 from .task import Backoff, Handler, Task
 
 Conn = AsyncConnection[Any]
-MAX_DELAY = 10_000 * 365.25 * 86400.0
 _NOT_OPEN = "the queue is not open: use `async with queue:` or `await queue.open()` first"
 
 
@@ -544,8 +544,6 @@ def _schedule(
                 or secs < 0:
             raise ConfigurationError(f"delay={delay!r}: use seconds >= 0 or a timedelta")
         if secs > MAX_DELAY:
-            # A sanity bound far below where PostgreSQL's timestamps overflow (294276 AD),
-            # which would fail the INSERT with a bare server error.
             raise ConfigurationError(f"delay={delay!r} is over 10,000 years: use a run_at or a "
                                      "shorter delay")
     return run_at, float(secs)
