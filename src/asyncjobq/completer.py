@@ -71,13 +71,14 @@ class Completer:
         # While run() loops, each lane flushes through a connection of its own (see heldconn).
         self._lanes = [HeldConnection(self._queue, ROLE) for _ in range(max(1, lanes))]
 
-    def pending_ids(self) -> list[int]:
-        """Jobs whose outcome is not written yet: still running in the table, still heartbeated."""
+    def pending(self) -> list[tuple[int, int]]:
+        """(id, attempt) of jobs whose outcome is not written yet: still running in the table,
+        still heartbeated."""
         # tuple(): a copy safe from another thread (the heartbeat's); batches are never mutated.
-        ids = [o.job_id for o in tuple(self._buffer)]
+        held = [(o.job_id, o.attempt) for o in tuple(self._buffer)]
         for batch in tuple(self._inflight):
-            ids.extend(o.job_id for o in batch)
-        return ids
+            held.extend((o.job_id, o.attempt) for o in batch)
+        return held
 
     @property
     def capacity(self) -> int:

@@ -8,12 +8,11 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import anyio
-
 from .errors import a_or_an
 from .job import Fail, Job, Retry
 from .outcome import MAX_DELAY, Outcome, default_backoff
 from .task import Backoff, Task
+from .threads import ThreadRunner
 
 log = logging.getLogger("asyncjobq.worker")
 
@@ -28,12 +27,19 @@ class RunningJob:
     task: asyncio.Task[None] | None = None
     # Why the worker cancelled this handler, if it did ("shutdown", "lease lost").
     cancel_reason: str | None = None
+    # Set when the worker is torn down: stop waiting for a sync body that is still running.
+    abandoned: bool = False
 
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
             self.cancel_reason = reason
         if self.task is not None:
             self.task.cancel(reason)
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        if self.task is not None:
+            self.task.cancel("worker torn down")
 
 
 def _describe(exc: BaseException) -> str:
@@ -79,20 +85,44 @@ def _custom_backoff(job: Job, backoff: Backoff) -> float:
     return default_backoff(job.attempt)
 
 
-async def _call(task: Task, job: Job, limiter: anyio.CapacityLimiter) -> object:
+async def _call(running: RunningJob, task: Task, runner: ThreadRunner) -> object:
+    job = running.job
     if task.is_async:
         result = await task.handler(job)  # type: ignore[misc]
     else:
-        result = await anyio.to_thread.run_sync(
-            task.handler, job, abandon_on_cancel=True, limiter=limiter)
+        result = await _in_thread(running, task, runner)
     if inspect.isawaitable(result):  # a sync callable that returned a coroutine
         result = await result
     return result
 
 
+async def _in_thread(running: RunningJob, task: Task, runner: ThreadRunner) -> object:
+    """A sync body in a thread. Cancelled (timeout, shutdown, lease lost), it still waits for
+    the body to return before letting the cancellation through: the job keeps its slot and its
+    heartbeat meanwhile, and no other attempt of it can start while this one runs (a timed-out
+    or released job would otherwise be claimed again beside its own running body). Only a
+    worker being torn down stops waiting; its job is then reaped after the lease."""
+    body = runner.submit(task.handler, running.job)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(body)
+        except asyncio.CancelledError as e:
+            if running.abandoned or body.done():
+                raise
+            if cancelled is None:
+                log.warning("job %s (%s) attempt %s: a sync handler cannot be interrupted; "
+                            "waiting for it to return before its job is let go", running.job.id,
+                            running.job.task, running.job.attempt)
+            cancelled = e
+            continue
+        if cancelled is not None:
+            raise cancelled
+        return result
+
+
 async def execute(
-    running: RunningJob, task: Task | None, registered: Iterable[str],
-    limiter: anyio.CapacityLimiter,
+    running: RunningJob, task: Task | None, registered: Iterable[str], runner: ThreadRunner,
 ) -> Outcome | None:
     """Run the handler. Returns None only when the lease was lost (nothing may be written)."""
     job = running.job
@@ -117,10 +147,10 @@ async def execute(
         if task.timeout is None:
             # No asyncio.timeout at all: its enter and exit cost 1.7 us a job, a few per cent
             # of a zero-work job's CPU in the worker.
-            result = await _call(task, job, limiter)
+            result = await _call(running, task, runner)
         else:
             async with asyncio.timeout(task.timeout) as deadline:
-                result = await _call(task, job, limiter)
+                result = await _call(running, task, runner)
     except TimeoutError as e:
         if deadline is None or not deadline.expired():
             return _raised(job, task, e)  # the handler's own TimeoutError

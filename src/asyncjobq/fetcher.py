@@ -8,6 +8,7 @@ will fill are reserved until the flush returns, so the two never claim past conc
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,30 +29,39 @@ ROLE = "fetch"
 
 
 class Wakeup:
-    """A resettable event with an optional alarm time."""
+    """A resettable event with alarm times: every due time it was told of wakes it once."""
+
+    # Past this many pending alarms the latest are dropped: poll_interval still finds them.
+    MAX_ALARMS = 1024
 
     def __init__(self) -> None:
         self._event = anyio.Event()
-        self._alarm: float | None = None  # monotonic time
+        self._alarms: list[float] = []  # monotonic times, a heap
 
     def set(self) -> None:
         self._event.set()
 
     def at(self, when: float) -> None:
-        """Wake at monotonic time `when` (or earlier if already due sooner)."""
-        if self._alarm is None or when < self._alarm:
-            self._alarm = when
+        """Wake at monotonic time `when`, as well as at every other time already set."""
+        earliest = not self._alarms or when < self._alarms[0]
+        if len(self._alarms) >= self.MAX_ALARMS:
+            if when >= max(self._alarms):
+                return
+            self._alarms.remove(max(self._alarms))
+            heapq.heapify(self._alarms)
+        heapq.heappush(self._alarms, when)
+        if earliest:
             # Interrupt a wait already in progress so that it re-arms with the earlier alarm.
             self._event.set()
 
     async def wait(self, timeout: float) -> None:
-        now = time.monotonic()
-        if self._alarm is not None:
-            timeout = min(timeout, max(0.0, self._alarm - now))
+        if self._alarms:
+            timeout = min(timeout, max(0.0, self._alarms[0] - time.monotonic()))
         with anyio.move_on_after(timeout):
             await self._event.wait()
-        if self._alarm is not None and self._alarm <= time.monotonic():
-            self._alarm = None
+        now = time.monotonic()
+        while self._alarms and self._alarms[0] <= now:
+            heapq.heappop(self._alarms)
         self._event = anyio.Event()
 
 
@@ -67,6 +77,7 @@ class Fetcher:
         poll_interval: float,
         free_slots: Callable[[], int],
         dispatch: Callable[[Job], None],
+        held: Callable[[], list[tuple[int, int]]] = list,
     ) -> None:
         self._queue = queue
         self._worker_id = worker_id
@@ -77,6 +88,11 @@ class Fetcher:
         self._poll_interval = poll_interval
         self._free_slots = free_slots
         self._dispatch = dispatch
+        self._held_now = held  # (id, attempt) of every job the worker holds in memory
+        # A claim failed after it was sent: it may have committed, its rows then held in the
+        # table by this worker with no handler. They are released before the next claim.
+        self._suspect = False
+        self.released = 0
         self.wakeup = Wakeup()
         self.slot_freed = anyio.Event()
         self.stopping = False
@@ -148,7 +164,7 @@ class Fetcher:
         The slots stay reserved until folded_claimed() or folded_failed(); None when nothing
         should be claimed now (stopping, or no free slot).
         """
-        if self.stopping:
+        if self.stopping or self._suspect:
             return None
         limit = min(self._batch_size, self._free())
         if limit <= 0:
@@ -168,7 +184,9 @@ class Fetcher:
 
     def folded_failed(self, reserved: int) -> None:
         self._reserved -= reserved
+        self._suspect = True
         self.slot_freed.set()
+        self.wakeup.set()
 
     @property
     def reserved(self) -> int:
@@ -182,11 +200,47 @@ class Fetcher:
         # The slots stay reserved while the claim is in flight, as a folded claim's do: a flush
         # folding a claim meanwhile would otherwise count them as free too, and the worker
         # would run more handlers at once than its concurrency.
+        if self._suspect:
+            await self._release_lost_claims()
         self._reserved += limit
         try:
             return await self.claim(limit)
+        except BaseException:
+            self._suspect = True
+            raise
         finally:
             self._reserved -= limit
+
+    async def _release_lost_claims(self) -> None:
+        """Put back rows a lost claim reply left running under this worker, uncounted."""
+        # No other claim may be in flight: its rows, committed but not yet handed out, would
+        # look lost too. fold() claims nothing while a release is due.
+        while self._reserved:
+            await self.wakeup.wait(0.01)
+        held = self._held_now()
+        st = self._queue.sql
+        async with self._held.connection() as conn:
+            cur = await conn.execute(st.job_release_lost_claims, {
+                "worker": self._worker_id, "ids": [i for i, _ in held],
+                "attempts": [a for _, a in held], "channel": self._queue.channel})
+            row = await cur.fetchone()
+        self._suspect = False
+        n = int(row[0]) if row else 0
+        if n:
+            self.released += n
+            log.warning("released %d job(s) claimed by a statement whose reply was lost with "
+                        "its connection; their attempt is not counted", n)
+
+    async def release_lost_claims_at_exit(self) -> None:
+        """Shutdown: release what a lost claim reply left, if one may have; errors are logged
+        (the reaper takes those rows after the lease instead)."""
+        if not self._suspect:
+            return
+        try:
+            await self._release_lost_claims()
+        except (psycopg.Error, PoolTimeout) as e:
+            log.warning("could not release jobs of a claim whose reply was lost (%s); they "
+                        "will be reaped after the lease", reason(e))
 
     async def run(self) -> None:
         async with self._held:

@@ -26,6 +26,9 @@ log = logging.getLogger("asyncjobq.worker")
 TICK = 0.1  # how often the loop reports that it is alive
 
 
+Held = list[tuple[int, int]]  # (job id, attempt)
+
+
 class Heartbeat:
     def __init__(
         self,
@@ -33,27 +36,34 @@ class Heartbeat:
         worker_id: str,
         *,
         lease: float,
-        held_ids: Callable[[], list[int]],
+        held: Callable[[], Held],
         running_tasks: Callable[[], list[str]],
-        on_lost: Callable[[set[int]], None],
+        on_lost: Callable[[set[tuple[int, int]]], None],
+        on_cut_off: Callable[[float], None] = lambda _: None,
     ) -> None:
         self._queue = queue
         self._worker_id = worker_id
         self._lease = lease
         self.interval = lease / 3
-        self._held_ids = held_ids  # must be safe to call from the heartbeat thread
+        self._held = held  # must be safe to call from the heartbeat thread
         self._running_tasks = running_tasks  # likewise
         self._on_lost = on_lost  # called on the loop
+        self._on_cut_off = on_cut_off  # likewise
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_tick = time.monotonic()
+        # When a beat last reached the database (or nothing was held, so nothing could lapse).
+        self._last_ok = time.monotonic()
+        self._cut_off_reported = 0.0
+        self._errors_seen: set[str] = set()
         self.beats = 0
+        self.failures = 0
         self.blocked_warnings = 0
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._last_tick = time.monotonic()
+        self._last_tick = self._last_ok = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"asyncjobq-heartbeat-"
                                         f"{self._worker_id}", daemon=True)
         self._thread.start()
@@ -62,6 +72,10 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     async def tick(self) -> None:
         """Runs on the loop: proves to the heartbeat thread that the loop is not blocked."""
@@ -75,14 +89,21 @@ class Heartbeat:
         blocked_since: float | None = None
         try:
             while not self._stop.wait(min(TICK, max(0.0, next_beat - time.monotonic()))):
-                blocked_since = self._watch_loop(blocked_since)
-                if time.monotonic() < next_beat:
-                    continue
-                next_beat = time.monotonic() + self.interval
-                conn = self._beat(conn)
+                # Nothing may end this thread but stop(): a worker that kept claiming without
+                # heartbeats would have every long job reaped and run twice.
+                try:
+                    blocked_since = self._watch_loop(blocked_since)
+                    self._watch_lease()
+                    if time.monotonic() < next_beat:
+                        continue
+                    next_beat = time.monotonic() + self.interval
+                    conn = self._beat(conn)
+                except Exception as e:  # logged; the next beat tries again
+                    self._failed(e)
+                    _close(conn)
+                    conn = None
         finally:
-            if conn is not None:
-                conn.close()
+            _close(conn)
 
     def _watch_loop(self, blocked_since: float | None) -> float | None:
         lag = time.monotonic() - self._last_tick
@@ -99,29 +120,59 @@ class Heartbeat:
             return time.monotonic()
         return blocked_since
 
+    def _watch_lease(self) -> None:
+        silent = time.monotonic() - self._last_ok
+        if silent < self._lease or self._loop is None:
+            return
+        # Once per interval at most: the loop cancels what has lapsed by then.
+        if time.monotonic() - self._cut_off_reported < self.interval:
+            return
+        self._cut_off_reported = time.monotonic()
+        try:
+            self._loop.call_soon_threadsafe(self._on_cut_off, silent)
+        except RuntimeError:
+            pass  # loop closed: the worker is gone anyway
+
+    def _connect(self) -> psycopg.Connection[tuple[object, ...]]:
+        # Every beat is bounded in time: a connection the network dropped silently would
+        # otherwise block a beat for the kernel's retransmission timeout (~15 min) while the
+        # fleet reaps and reruns this worker's long jobs.
+        bound = max(1.0, self.interval)
+        conn = psycopg.connect(
+            self._queue.dsn, autocommit=True, connect_timeout=max(2, int(bound)),
+            application_name=f"{self._queue.application_name}-heartbeat",
+            keepalives=1, keepalives_idle=max(1, int(bound)), keepalives_interval=1,
+            keepalives_count=3, tcp_user_timeout=int(bound * 1000))
+        try:
+            conn.execute(self._queue.sql.session_statement_timeout, (f"{int(bound * 1000)}ms",))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
     def _beat(
         self, conn: psycopg.Connection[tuple[object, ...]] | None
     ) -> psycopg.Connection[tuple[object, ...]] | None:
-        ids = self._held_ids()
-        if not ids:
+        held = self._held()
+        if not held:
+            self._last_ok = time.monotonic()
             return conn
+        sent = time.monotonic()
         try:
             if conn is None or conn.closed:
-                conn = psycopg.connect(self._queue.dsn, autocommit=True, connect_timeout=10,
-                                       application_name=f"{self._queue.application_name}"
-                                                        "-heartbeat")
-            cur = conn.execute(self._queue.sql.job_heartbeat_many,
-                               {"ids": ids, "worker": self._worker_id})
-            kept = {int(r[0]) for r in cur.fetchall()}  # type: ignore[call-overload]
+                conn = self._connect()
+            cur = conn.execute(self._queue.sql.job_heartbeat_many, {
+                "ids": [i for i, _ in held], "attempts": [a for _, a in held],
+                "worker": self._worker_id})
+            kept = {(int(r[0]), int(r[1])) for r in cur.fetchall()}  # type: ignore[call-overload]
         except psycopg.Error as e:
-            log.warning("heartbeat failed (%s); jobs will be reaped if this lasts %.0f s",
-                        reason(e),
-                        self._lease)
-            if conn is not None:
-                conn.close()
+            self._failed(e)
+            _close(conn)
             return None
+        self._last_ok = sent
+        self._errors_seen.clear()
         self.beats += 1
-        lost = set(ids) - kept
+        lost = set(held) - kept
         if lost and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._lost_on_loop, lost)
@@ -129,9 +180,18 @@ class Heartbeat:
                 pass  # loop closed: the worker is gone anyway
         return conn
 
-    def _lost_on_loop(self, lost: set[int]) -> None:
-        # Only ids still held now were lost; the others finished while the UPDATE ran.
-        lost &= set(self._held_ids())
+    def _failed(self, e: Exception) -> None:
+        self.failures += 1
+        kind = type(e).__name__
+        level = logging.DEBUG if kind in self._errors_seen else logging.WARNING
+        self._errors_seen.add(kind)
+        log.log(level, "heartbeat failed (%s); this worker's jobs will be reaped, and its "
+                "handlers cancelled, if no heartbeat lands for %.0f s", reason(e), self._lease,
+                exc_info=not isinstance(e, psycopg.Error))
+
+    def _lost_on_loop(self, lost: set[tuple[int, int]]) -> None:
+        # Only attempts still held now were lost; the others finished while the UPDATE ran.
+        lost &= set(self._held())
         if lost:
             self._on_lost(lost)
 
@@ -140,6 +200,9 @@ class Heartbeat:
         await asyncio.to_thread(self._beat_once)
 
     def _beat_once(self) -> None:
-        conn = self._beat(None)
-        if conn is not None:
-            conn.close()
+        _close(self._beat(None))
+
+
+def _close(conn: psycopg.Connection[tuple[object, ...]] | None) -> None:
+    if conn is not None:
+        conn.close()

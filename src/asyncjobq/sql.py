@@ -346,15 +346,44 @@ class Statements:
 
     @property
     def job_heartbeat_many(self) -> sql.Composed:
-        # Returns the ids this worker still holds; a missing id means its lease was lost.
-        # Rows are locked in id order, as the completion statement locks them (no deadlock).
+        # Fenced on (id, attempts), as completions are: a job reaped and claimed again, even
+        # by this same worker, no longer extends the lease of the attempt that was reaped.
+        # Returns the (id, attempt) pairs still held; a missing pair's lease was lost. Rows are
+        # locked in id order, as the completion statement locks them (no deadlock).
         return _q(
             "WITH held AS MATERIALIZED ("
-            "  SELECT id FROM {s}.jobs"
-            "  WHERE id = ANY(%(ids)s) AND status = 'running' AND locked_by = %(worker)s"
-            "  ORDER BY id FOR NO KEY UPDATE)"
+            "  SELECT j.id FROM {s}.jobs j"
+            "  JOIN unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS h(id, attempt)"
+            "    ON h.id = j.id AND h.attempt = j.attempts"
+            "  WHERE j.id = ANY(%(ids)s) AND j.status = 'running' AND j.locked_by = %(worker)s"
+            "  ORDER BY j.id FOR NO KEY UPDATE OF j)"
             " UPDATE {s}.jobs j SET locked_at = now() FROM held WHERE j.id = held.id"
-            " RETURNING j.id",
+            " RETURNING j.id, j.attempts",
+            self.schema,
+        )
+
+    @property
+    def session_statement_timeout(self) -> sql.SQL:
+        return sql.SQL("SELECT set_config('statement_timeout', %s, false)")
+
+    @property
+    def job_release_lost_claims(self) -> sql.Composed:
+        # Rows this worker claimed but never received (the claim committed, its reply was lost
+        # with the connection): back to queued with the attempt uncounted, since no handler
+        # ran. Rows it does hold (running, or outcome not yet written) are named in the
+        # parameters and stay. Wakes the queues' workers, as the reaper does.
+        return _q(
+            "WITH released AS ("
+            " UPDATE {s}.jobs j SET status = 'queued', attempts = greatest(j.attempts - 1, 0),"
+            "   locked_by = NULL, locked_at = NULL"
+            " WHERE j.status = 'running' AND j.locked_by = %(worker)s"
+            "   AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(attempts)s::int[])"
+            "     AS h(id, attempt) WHERE h.id = j.id AND h.attempt = j.attempts)"
+            " RETURNING j.id, j.queue)"
+            " SELECT (SELECT count(*) FROM released),"
+            " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
+            "   'queue', queue, 'run_at', extract(epoch FROM now()))::text)"
+            "   FROM (SELECT DISTINCT queue FROM released) d) n)",
             self.schema,
         )
 

@@ -30,6 +30,7 @@ from .outcome import Outcome
 from .pruner import Pruner
 from .queue import Queue, _check_name, _check_queue_name
 from .reaper import Reaper
+from .threads import ThreadRunner
 from .vacuumer import HotTableVacuum
 
 log = logging.getLogger("asyncjobq.worker")
@@ -115,7 +116,9 @@ class Worker:
         base = name or f"{socket.gethostname()}-{os.getpid()}"
         self.id = f"{base}-{uuid.uuid4().hex[:8]}"
         self.name = base
-        self._running: dict[int, RunningJob] = {}
+        # Keyed by (id, attempt): after a lost lease this worker may claim the job's next
+        # attempt while the old one is still being cancelled; each is counted and fenced alone.
+        self._running: dict[tuple[int, int], RunningJob] = {}
         self._none_running: anyio.Event | None = None
         # Events need a running loop; they are made in run(). stop() may come earlier.
         self._stop_requested = False
@@ -152,21 +155,21 @@ class Worker:
         self._stop = anyio.Event()
         if self._stop_requested:
             self._stop.set()
-        self._thread_limiter = anyio.CapacityLimiter(self.concurrency)
+        self._threads = ThreadRunner(f"asyncjobq-{self.id}")
         await self.queue.open()
         async with self.queue.connection() as conn:
             await migrations.check(conn, self.queue.schema)
         fetcher = self.fetcher = Fetcher(
             self.queue, self.id, self.queues, batch_size=self.batch_size,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
-            free_slots=self._free_slots, dispatch=self._dispatch)
+            free_slots=self._free_slots, dispatch=self._dispatch, held=self._held)
         completer = self.completer = Completer(
             self.queue, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
             on_written=self._written, fetcher=fetcher)
         heartbeat = self.heartbeat = Heartbeat(
-            self.queue, self.id, lease=self.lease, held_ids=self._held_ids,
+            self.queue, self.id, lease=self.lease, held=self._held,
             running_tasks=lambda: [r.job.task for r in tuple(self._running.values())],
-            on_lost=self._lease_lost)
+            on_lost=self._lease_lost, on_cut_off=self._cut_off)
         self.pruner = Pruner(self.queue, interval=self.prune_interval)
         self.vacuum = (HotTableVacuum(self.queue, interval=self.vacuum_interval)
                        if self.vacuum_interval is not None else None)
@@ -183,6 +186,7 @@ class Worker:
             await self._serve(fetcher, completer, heartbeat, reaper)
         finally:
             heartbeat.stop()
+            self._threads.close()
         log.info("worker %s stopped: %d job(s) completed, %d outcome(s) refused", self.id,
                  self.completed, completer.refused)
 
@@ -205,8 +209,7 @@ class Worker:
                 # Torn down (cancelled) rather than stopped: handlers still running are
                 # cancelled with it; their jobs stay running in the table until reaped.
                 for r in list(self._running.values()):
-                    if r.task is not None:
-                        r.task.cancel()
+                    r.abandon()
             services.cancel_scope.cancel()
 
     async def _fetch_then_shutdown(self, fetcher: Fetcher, completer: Completer) -> None:
@@ -232,7 +235,14 @@ class Worker:
                 r.cancel("shutdown")
             with anyio.move_on_after(5.0):
                 await self._all_finished()
+            if self._running:  # sync bodies that cannot be interrupted
+                log.warning("stopping: %d handler(s) still running after being cancelled; "
+                            "leaving their jobs to be reaped after the lease: %s",
+                            len(self._running), ", ".join(
+                                f"{r.job.id} ({r.job.task})" for r in self._running.values()))
         await completer.drain(timeout=10.0)
+        # Rows of a claim whose reply was lost go back now rather than after the lease.
+        await fetcher.release_lost_claims_at_exit()
 
     async def _all_finished(self) -> None:
         self._none_running = anyio.Event()
@@ -249,7 +259,7 @@ class Worker:
 
     def _dispatch(self, job: Job) -> None:
         running = RunningJob(job, time.monotonic())
-        self._running[job.id] = running
+        self._running[job.id, job.attempt] = running
         running.task = asyncio.create_task(self._execute(running), name=f"asyncjobq job {job.id}")
 
     async def _execute(self, running: RunningJob) -> None:
@@ -258,9 +268,9 @@ class Worker:
         outcome: Outcome | None = None
         try:
             outcome = await execute(running, self.queue.tasks.get(job.task),
-                                    self.queue.tasks, self._thread_limiter)
+                                    self.queue.tasks, self._threads)
         finally:
-            self._running.pop(job.id, None)
+            self._running.pop((job.id, job.attempt), None)
             if not self._running and self._none_running is not None:
                 self._none_running.set()
             if outcome is not None:
@@ -277,16 +287,31 @@ class Worker:
                 # Our own retry is due before the next poll: wake up for it.
                 self.fetcher.wakeup.at(time.monotonic() + o.delay)
 
-    def _held_ids(self) -> list[int]:
-        # Called from the heartbeat thread too: tuple() copies without running Python code,
-        # so the loop cannot change the dict mid-copy.
-        assert self.completer is not None
-        return [*tuple(self._running), *self.completer.pending_ids()]
+    def _held(self) -> list[tuple[int, int]]:
+        """(id, attempt) of every job this worker holds: running, or its outcome not written.
 
-    def _lease_lost(self, ids: set[int]) -> None:
-        for job_id in ids:
-            r = self._running.get(job_id)
+        Called from the heartbeat thread too: tuple() copies without running Python code, so
+        the loop cannot change the dict mid-copy.
+        """
+        assert self.completer is not None
+        return [*tuple(self._running), *self.completer.pending()]
+
+    def _lease_lost(self, lost: set[tuple[int, int]]) -> None:
+        for key in lost:
+            r = self._running.get(key)
             if r is not None:
-                log.warning("job %s (%s): lease lost (reaped while running); cancelling the "
-                            "handler, its outcome will not be written", job_id, r.job.task)
+                log.warning("job %s (%s) attempt %s: lease lost (reaped while running); "
+                            "cancelling the handler, its outcome will not be written", key[0],
+                            r.job.task, key[1])
+                r.cancel("lease lost")
+
+    def _cut_off(self, silent_for: float) -> None:
+        """No heartbeat has landed for a lease: the fleet presumes this worker dead and may
+        reap its jobs at any moment, so the handlers whose lease has run out stop now."""
+        expired = time.monotonic() - self.lease
+        for (job_id, attempt), r in list(self._running.items()):
+            if r.started < expired and r.cancel_reason is None:
+                log.warning("job %s (%s) attempt %s: no heartbeat has reached the database for "
+                            "%.0f s (lease %.0f s); presuming the lease lost and cancelling the "
+                            "handler", job_id, r.job.task, attempt, silent_for, self.lease)
                 r.cancel("lease lost")

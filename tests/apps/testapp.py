@@ -6,6 +6,7 @@ import os
 import time
 
 import anyio
+import psycopg
 from psycopg import sql
 
 from asyncjobq import Job, Queue
@@ -41,3 +42,13 @@ async def sleep_job(job: Job) -> None:
 async def block_job(job: Job) -> None:
     await log_execution(job)
     time.sleep(float(job.payload.get("seconds", 1)))  # noqa: ASYNC251 - blocks the loop on purpose
+
+
+@queue.task(name="block_sync", max_attempts=5)
+def block_sync_job(job: Job) -> None:
+    """A plain `def` handler: logs its execution, then sleeps in its thread."""
+    with psycopg.connect(queue.dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("INSERT INTO {}.claims (job_id, attempt, pid, worker) VALUES (%s, %s, %s, %s)")
+            .format(sql.Identifier(queue.schema)), (job.id, job.attempt, os.getpid(), job.worker))
+    time.sleep(float(job.payload.get("seconds", 1)))
