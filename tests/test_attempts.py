@@ -4,6 +4,7 @@ whose reply was lost, a heartbeat that hangs or fails, and wake-ups for every du
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
 import threading
@@ -64,7 +65,7 @@ async def test_sync_handler_past_its_timeout_never_overlaps_its_next_attempt(
     assert bodies.peak == 1, f"{bodies.peak} bodies of the job ran at once"
     spans = sorted(bodies.spans, key=lambda s: s[1])
     assert [a for a, _, _ in spans] == [1, 2, 3]
-    for (_, _, end), (_, start, _) in zip(spans, spans[1:], strict=False):
+    for (_, _, end), (_, start, _) in itertools.pairwise(spans):
         assert start >= end, "an attempt started while the previous body still ran"
     finished = await fetchval(queue, "SELECT extract(epoch FROM finished_at) FROM {s}.jobs"
                               " WHERE id = %s", job_id)
