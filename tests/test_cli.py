@@ -19,7 +19,7 @@ from claims import CREATE_CLAIMS
 from conftest import execute, fetchval, run_cli, spawn_worker, wait_for
 from psycopg import sql
 
-from asyncjobq import Queue
+from asyncjobq import Queue, migrations
 
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"
 SECRET = "s3cretpw"
@@ -63,7 +63,8 @@ def cli(schema: str, *args: str, dsn: str, **kw: Any) -> subprocess.CompletedPro
 def test_install_applies_then_reports_up_to_date(pg_dsn: str, schema: str) -> None:
     first = cli(schema, "install", dsn=pg_dsn)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.strip() == f"schema {schema}: applied migrations 1", first.stdout
+    versions = ", ".join(str(m.version) for m in migrations.available())
+    assert first.stdout.strip() == f"schema {schema}: applied migrations {versions}", first.stdout
     with psycopg.connect(pg_dsn) as conn:
         tables = conn.execute(
             "SELECT array_agg(table_name::text ORDER BY table_name) FROM information_schema.tables"

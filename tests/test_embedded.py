@@ -72,7 +72,8 @@ def test_cli_without_dsn_uses_embedded_server(workdir: Path) -> None:
 
     r = run_cli("install", env=env, timeout=150)
     assert r.returncode == 0, (r.stdout, r.stderr)
-    assert r.stdout.strip() == "schema asyncjobq: applied migrations 1", r.stdout
+    versions = ", ".join(str(m.version) for m in asyncjobq.migrations.available())
+    assert r.stdout.strip() == f"schema asyncjobq: applied migrations {versions}", r.stdout
     _notice(r.stderr, pgdata)
     assert (pgdata / "PG_VERSION").exists()
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from .errors import a_or_an
+from .hooks import Finished, Hooks, Middleware
 from .job import Fail, Job, Retry
 from .outcome import MAX_DELAY, Outcome, default_backoff
 from .task import Backoff, Task
@@ -85,24 +86,66 @@ def _custom_backoff(job: Job, backoff: Backoff) -> float:
     return default_backoff(job.attempt)
 
 
-async def _call(running: RunningJob, task: Task, runner: ThreadRunner) -> object:
-    job = running.job
+async def _call(job: Job, running: RunningJob, task: Task, runner: ThreadRunner) -> object:
     if task.is_async:
         result = await task.handler(job)  # type: ignore[misc]
     else:
-        result = await _in_thread(running, task, runner)
+        result = await _in_thread(job, running, task, runner)
     if inspect.isawaitable(result):  # a sync callable that returned a coroutine
         result = await result
     return result
 
 
-async def _in_thread(running: RunningJob, task: Task, runner: ThreadRunner) -> object:
+async def _call_through(middleware: tuple[Middleware, ...], running: RunningJob, task: Task,
+                        runner: ThreadRunner) -> object:
+    """The handler inside the middleware, outermost first (hooks.py)."""
+    async def handler(job: Job) -> object:
+        return await _call(job, running, task, runner)
+
+    call: Callable[[Job], Awaitable[object]] = handler
+    for mw in reversed(middleware):
+        call = _wrap(mw, call)
+    return await call(running.job)
+
+
+def _wrap(mw: Middleware, call_next: Callable[[Job], Awaitable[object]],
+          ) -> Callable[[Job], Awaitable[object]]:
+    async def call(job: Job) -> object:
+        if not isinstance(job, Job):
+            raise TypeError(f"middleware {getattr(mw, '__qualname__', mw)!r} passed "
+                            f"{a_or_an(type(job).__name__)} to call_next: pass the job")
+        return await mw(job, call_next)
+
+    return call
+
+
+async def _run(running: RunningJob, task: Task, runner: ThreadRunner,
+               hooks: Hooks | None) -> object:
+    if hooks is None:
+        return await _call(running.job, running, task, runner)
+    if hooks.on_started:
+        await hooks.emit("on_started", job=running.job)
+    if hooks.middleware:
+        return await _call_through(hooks.middleware, running, task, runner)
+    return await _call(running.job, running, task, runner)
+
+
+def finished(outcome: Outcome | None, running: RunningJob) -> Finished:
+    """What on_finished reports for an attempt (hooks.FINISHED)."""
+    if outcome is None or (running.cancel_reason is not None and outcome.kind == "retry"):
+        return "cancelled"  # its lease was lost, or the worker stopped and released it
+    return {"done": "done", "retry": "retry", "snooze": "snoozed",
+            "failed": "failed"}[outcome.kind]  # type: ignore[return-value]
+
+
+async def _in_thread(job: Job, running: RunningJob, task: Task, runner: ThreadRunner,
+                     ) -> object:
     """A sync body in a thread. Cancelled (timeout, shutdown, lease lost), it still waits for
     the body to return before letting the cancellation through: the job keeps its slot and its
     heartbeat meanwhile, and no other attempt of it can start while this one runs (a timed-out
     or released job would otherwise be claimed again beside its own running body). Only a
     worker being torn down stops waiting; its job is then reaped after the lease."""
-    body = runner.submit(task.handler, running.job)
+    body = runner.submit(task.handler, job)
     cancelled: asyncio.CancelledError | None = None
     while True:
         try:
@@ -123,6 +166,7 @@ async def _in_thread(running: RunningJob, task: Task, runner: ThreadRunner) -> o
 
 async def execute(
     running: RunningJob, task: Task | None, registered: Iterable[str], runner: ThreadRunner,
+    hooks: Hooks | None = None,
 ) -> Outcome | None:
     """Run the handler. Returns None only when the lease was lost (nothing may be written)."""
     job = running.job
@@ -147,10 +191,10 @@ async def execute(
         if task.timeout is None:
             # No asyncio.timeout at all: its enter and exit cost 1.7 us a job, a few per cent
             # of a zero-work job's CPU in the worker.
-            result = await _call(running, task, runner)
+            result = await _run(running, task, runner, hooks)
         else:
             async with asyncio.timeout(task.timeout) as deadline:
-                result = await _call(running, task, runner)
+                result = await _run(running, task, runner, hooks)
     except TimeoutError as e:
         if deadline is None or not deadline.expired():
             return _raised(job, task, e)  # the handler's own TimeoutError

@@ -78,6 +78,7 @@ class Fetcher:
         free_slots: Callable[[], int],
         dispatch: Callable[[Job], None],
         held: Callable[[], list[tuple[int, int]]] = list,
+        claimed: Callable[[list[Job]], None] | None = None,
     ) -> None:
         self._queue = queue
         self._worker_id = worker_id
@@ -89,6 +90,7 @@ class Fetcher:
         self._free_slots = free_slots
         self._dispatch = dispatch
         self._held_now = held  # (id, attempt) of every job the worker holds in memory
+        self._claimed = claimed  # told of each claimed batch, after it was dispatched
         # A claim failed after it was sent: it may have committed, its rows then held in the
         # table by this worker with no handler. They are released before the next claim.
         self._suspect = False
@@ -177,10 +179,14 @@ class Fetcher:
 
     def folded_claimed(self, rows: Sequence[Sequence[Any]], reserved: int) -> None:
         self._reserved -= reserved
-        jobs = self._jobs(rows)
+        self._hand_out(self._jobs(rows))
+
+    def _hand_out(self, jobs: list[Job]) -> None:
         for job in jobs:
             self._dispatch(job)
         self.claimed += len(jobs)
+        if jobs and self._claimed is not None:
+            self._claimed(jobs)
 
     def folded_failed(self, reserved: int) -> None:
         self._reserved -= reserved
@@ -267,8 +273,6 @@ class Fetcher:
                 continue
             # Even when stop() came during the claim, these jobs are ours now: dispatch them so
             # that shutdown finishes or releases them like any other.
-            for job in jobs:
-                self._dispatch(job)
-            self.claimed += len(jobs)
+            self._hand_out(jobs)
             if len(jobs) < limit and not self.stopping:
                 await self.wakeup.wait(self._poll_interval)

@@ -17,6 +17,7 @@ import anyio
 import anyio.lowlevel
 
 from .errors import ConfigurationError
+from .services import Service
 
 if TYPE_CHECKING:
     from .queue import Queue
@@ -126,8 +127,12 @@ async def prune_failed(queue: Queue, older_than: float, *, only_queue: str | Non
                 return total
 
 
-class Pruner:
-    """Retention for the reaper's maintenance turn: at most `MAX_BATCHES_PER_TURN` batches."""
+class Pruner(Service):
+    """Retention, a leader-only maintenance service: at most `MAX_BATCHES_PER_TURN` batches a
+    turn."""
+
+    name = "pruner"
+    leader_only = True
 
     def __init__(self, queue: Queue, *, interval: float) -> None:
         self._queue = queue

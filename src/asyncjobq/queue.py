@@ -27,6 +27,7 @@ from .errors import (
     SchemaNotInstalledError,
     reason,
 )
+from .hooks import Hooks, Middleware
 from .inserter import Inserter
 from .job import STATUSES, JobInfo
 from .outcome import MAX_DELAY
@@ -71,6 +72,7 @@ class Queue:
         self._inserter: Inserter | None = None
         self.tasks: dict[str, Task] = {}
         self.sql: Statements = statements(self.schema)
+        self.hooks = Hooks()
 
     def __repr__(self) -> str:
         where = redact(self._dsn) if self._dsn else (self._dsn_arg and redact(self._dsn_arg))
@@ -126,6 +128,19 @@ class Queue:
             return t
 
         return register
+
+    # --- hooks and middleware (hooks.py) ----------------------------------------------------
+
+    def add_hook(self, hook: object) -> None:
+        """Register an object with any of the hook methods (on_enqueued, on_claimed,
+        on_started, on_finished, on_reaped, on_leader_changed), each an `async def` called
+        with keyword arguments; an exception in a hook is logged and never affects a job."""
+        self.hooks.add_hook(hook)
+
+    def add_middleware(self, middleware: Middleware) -> None:
+        """Wrap every handler call: `async def mw(job, call_next): return await
+        call_next(job)`. Middleware added first is outermost."""
+        self.hooks.add_middleware(middleware)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -266,7 +281,10 @@ class Queue:
                    f"{json.dumps(when.astimezone(UTC).isoformat() if when else None)},"
                    f"{json.dumps(secs)},"
                    f"{attempts:d}]")
-            return await self._open_inserter().insert(job)
+            job_id = await self._open_inserter().insert(job)
+            if self.hooks.on_enqueued:
+                await self.hooks.emit("on_enqueued", job_ids=[job_id], task=name, queue=q)
+            return job_id
         params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
                   "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key}
         async with self._conn(conn) as c:
@@ -274,6 +292,9 @@ class Queue:
                 cur = await c.execute(self.sql.job_insert, params)
                 row = await cur.fetchone()
                 if row is not None:
+                    if self.hooks.on_enqueued:
+                        await self.hooks.emit("on_enqueued", job_ids=[int(row[0])], task=name,
+                                              queue=q)
                     return int(row[0])
                 # The duplicate committed after our snapshot, or finished meanwhile: look again.
         raise AsyncJobQError(f"enqueue with dedup_key={dedup_key!r} kept racing with other "
@@ -316,7 +337,10 @@ class Queue:
             cur = await c.execute(
                 self.sql.job_insert_many, (name, q, prio, when, secs, attempts, array)
             )
-            return [int(r[0]) for r in await cur.fetchall()]
+            ids = [int(r[0]) for r in await cur.fetchall()]
+        if self.hooks.on_enqueued:
+            await self.hooks.emit("on_enqueued", job_ids=ids, task=name, queue=q)
+        return ids
 
     def _defaults(
         self, task: str | Task, queue: str | None, priority: int | None, max_attempts: int | None
@@ -375,6 +399,16 @@ class Queue:
             )
             row = await cur.fetchone()
         return int(row[0]) if row else 0
+
+    async def leader(self) -> dict[str, Any] | None:
+        """The worker leading this schema's maintenance (leader.py): {"worker", "since",
+        "expires_at"}, or None while no worker leads."""
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.leader_get)
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        return {"worker": row[0], "since": row[1], "expires_at": row[2]}
 
     async def health(self, lease: float = 30.0) -> dict[str, dict[str, float | int | None]]:
         """Per queue: age in seconds of the oldest due queued job, running jobs not heartbeated

@@ -14,22 +14,36 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from .errors import reason
+from .hooks import Hooks
 from .pruner import Pruner
 from .queue import Queue
+from .services import Service
 
 log = logging.getLogger("asyncjobq.worker")
 
 REAP_BATCH = 1000
 
 
-class Reaper:
+class Reaper(Service):
+    """A leader-only maintenance service (services.py)."""
+
+    name = "reaper"
+    leader_only = True
+
     def __init__(self, queue: Queue, *, lease: float, interval: float,
-                 pruner: Pruner | None = None) -> None:
+                 pruner: Pruner | None = None, hooks: Hooks | None = None) -> None:
         self._queue = queue
         self._lease = lease
         self.interval = interval
         self.pruner = pruner
+        self._hooks = hooks
         self.reaped = 0
+
+    async def turn(self) -> list[int]:
+        ids = await self.reap_ids()
+        if ids and self._hooks is not None and self._hooks.on_reaped:
+            await self._hooks.emit("on_reaped", job_ids=ids)
+        return ids
 
     async def run(self) -> None:
         next_prune = anyio.current_time()
@@ -46,16 +60,20 @@ class Reaper:
                             self.interval)
 
     async def reap(self) -> int:
-        """One turn: returns how many stale jobs were requeued or failed."""
+        """Requeue (or fail) stale jobs now; returns how many."""
+        return len(await self.reap_ids())
+
+    async def reap_ids(self) -> list[int]:
+        """Requeue (or fail) stale jobs now; returns their ids."""
         st = self._queue.sql
-        total = 0
+        total: list[int] = []
         async with self._queue.connection() as conn:
             while True:
                 async with conn.transaction():
                     cur = await conn.execute(st.reaper_try_lock)
                     row = await cur.fetchone()
                     if not row or not row[0]:
-                        return total  # another worker's reaper is at it
+                        return total  # another reaper is at it (two leaders for an instant)
                     cur = await conn.execute(
                         st.job_reap_stuck, {"lease": self._lease, "limit": REAP_BATCH}
                     )
@@ -68,7 +86,7 @@ class Reaper:
                     log.warning("job %s: lease expired (worker stopped heartbeating); %s",
                                 job_id, "requeued" if status == "queued" else "failed, no "
                                 "attempts left")
-                total += len(rows)
+                total.extend(int(r[0]) for r in rows)
                 self.reaped += len(rows)
                 if len(rows) < REAP_BATCH:
                     return total

@@ -440,6 +440,41 @@ class Statements:
             self.schema,
         )
 
+    # --- maintenance: leadership ------------------------------------------------------------
+
+    @property
+    def leader_elect(self) -> sql.Composed:
+        # Take the row when it is free or expired, renew it when it is ours; either way the
+        # current leader comes back. Expiry is judged by the server's clock alone.
+        return _q(
+            "WITH attempt AS ("
+            " INSERT INTO {s}.leader AS l (name, worker, elected_at, expires_at)"
+            " VALUES ('default', %(worker)s, now(), now() + make_interval(secs => %(ttl)s))"
+            " ON CONFLICT (name) DO UPDATE SET worker = excluded.worker,"
+            "   elected_at = CASE WHEN l.worker = excluded.worker THEN l.elected_at"
+            "                     ELSE now() END,"
+            "   expires_at = excluded.expires_at"
+            " WHERE l.worker = excluded.worker OR l.expires_at < now()"
+            " RETURNING worker, elected_at)"
+            " SELECT worker, elected_at FROM attempt"
+            " UNION ALL SELECT worker, elected_at FROM {s}.leader"
+            "   WHERE name = 'default' AND NOT EXISTS (SELECT FROM attempt)"
+            " LIMIT 1",
+            self.schema,
+        )
+
+    @property
+    def leader_resign(self) -> sql.Composed:
+        return _q("DELETE FROM {s}.leader WHERE worker = %(worker)s", self.schema)
+
+    @property
+    def leader_get(self) -> sql.Composed:
+        return _q(
+            "SELECT worker, elected_at, expires_at FROM {s}.leader"
+            " WHERE name = 'default' AND expires_at > now()",
+            self.schema,
+        )
+
     # --- maintenance: pruning ----------------------------------------------------------------
 
     @property

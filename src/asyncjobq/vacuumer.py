@@ -20,6 +20,7 @@ from psycopg_pool import PoolTimeout
 
 from .errors import reason
 from .queue import Queue
+from .services import Service
 
 log = logging.getLogger("asyncjobq.worker")
 
@@ -29,7 +30,12 @@ MIN_DEAD = 1000
 DEAD_FRACTION = 0.05
 
 
-class HotTableVacuum:
+class HotTableVacuum(Service):
+    """A leader-only maintenance service (services.py)."""
+
+    name = "vacuum"
+    leader_only = True
+
     def __init__(self, queue: Queue, *, interval: float) -> None:
         self._queue = queue
         self.interval = interval

@@ -1,9 +1,10 @@
 """The worker: one event loop holding a LISTEN connection, a pool, and the parts of DESIGN §4.
 
     listener -> fetcher -> bounded handler tasks -> completer
-                heartbeat (extends leases)   reaper (requeues stale jobs, one worker at a time;
-                                             every prune_interval, prunes history past retention)
-                                             vacuum (of the hot table, between autovacuum's visits)
+                heartbeat (extends leases, its own thread)
+                services (services.py): the leader elector on every worker; on the leader only,
+                the reaper (requeues stale jobs), the pruner (history past retention) and the
+                hot-table vacuum (between autovacuum's visits)
 """
 
 from __future__ import annotations
@@ -17,19 +18,23 @@ import uuid
 from collections.abc import Sequence
 
 import anyio
+import psycopg
+from psycopg_pool import PoolTimeout
 
 from . import migrations
 from .completer import Completer
-from .errors import ConfigurationError
-from .executor import RunningJob, execute
+from .errors import ConfigurationError, reason
+from .executor import RunningJob, execute, finished
 from .fetcher import Fetcher
 from .heartbeat import Heartbeat
 from .job import Job
+from .leader import Elector
 from .listener import Listener
 from .outcome import Outcome
 from .pruner import Pruner
 from .queue import Queue, _check_name, _check_queue_name
 from .reaper import Reaper
+from .services import Service, ServiceRunner
 from .threads import ThreadRunner
 from .vacuumer import HotTableVacuum
 
@@ -130,6 +135,8 @@ class Worker:
         self.reaper: Reaper | None = None
         self.pruner: Pruner | None = None
         self.vacuum: HotTableVacuum | None = None
+        self.elector: Elector | None = None
+        self.services: ServiceRunner | None = None
         self.completed = 0
 
     def __repr__(self) -> str:
@@ -162,7 +169,8 @@ class Worker:
         fetcher = self.fetcher = Fetcher(
             self.queue, self.id, self.queues, batch_size=self.batch_size,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
-            free_slots=self._free_slots, dispatch=self._dispatch, held=self._held)
+            free_slots=self._free_slots, dispatch=self._dispatch, held=self._held,
+            claimed=self._claimed)
         completer = self.completer = Completer(
             self.queue, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
             on_written=self._written, fetcher=fetcher)
@@ -173,8 +181,15 @@ class Worker:
         self.pruner = Pruner(self.queue, interval=self.prune_interval)
         self.vacuum = (HotTableVacuum(self.queue, interval=self.vacuum_interval)
                        if self.vacuum_interval is not None else None)
-        reaper = self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval,
-                                      pruner=self.pruner)
+        self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval,
+                             hooks=self.queue.hooks)
+        # The leader's row lasts one lease: a killed leader is replaced as its jobs are.
+        elector = self.elector = Elector(self.queue, self.id, ttl=self.lease,
+                                         on_change=self._leader_changed)
+        maintenance: list[Service] = [elector, self.reaper, self.pruner]
+        if self.vacuum is not None:
+            maintenance.append(self.vacuum)
+        self.services = ServiceRunner(maintenance, is_leader=lambda: elector.is_leader)
         if self._stop_requested:
             fetcher.stop()
         loop = type(asyncio.get_running_loop())
@@ -183,7 +198,7 @@ class Worker:
                  loop.__module__, loop.__qualname__)
         heartbeat.start()
         try:
-            await self._serve(fetcher, completer, heartbeat, reaper)
+            await self._serve(fetcher, completer, heartbeat, self.services)
         finally:
             heartbeat.stop()
             self._threads.close()
@@ -191,13 +206,11 @@ class Worker:
                  self.completed, completer.refused)
 
     async def _serve(self, fetcher: Fetcher, completer: Completer, heartbeat: Heartbeat,
-                     reaper: Reaper) -> None:
+                     runner: ServiceRunner) -> None:
         async with anyio.create_task_group() as services:
             services.start_soon(completer.run)
             services.start_soon(heartbeat.tick)
-            services.start_soon(reaper.run)
-            if self.vacuum is not None:
-                services.start_soon(self.vacuum.run)
+            services.start_soon(runner.run)
             if self.listen:
                 self.listener = Listener(
                     self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.wakeup.set,
@@ -241,8 +254,24 @@ class Worker:
                             len(self._running), ", ".join(
                                 f"{r.job.id} ({r.job.task})" for r in self._running.values()))
         await completer.drain(timeout=10.0)
+        await self.queue.hooks.settle(timeout=5.0)
         # Rows of a claim whose reply was lost go back now rather than after the lease.
         await fetcher.release_lost_claims_at_exit()
+        await self._resign()
+
+    async def _resign(self) -> None:
+        # Another worker leads from its next turn instead of after this row expires.
+        if self.elector is None:
+            return
+        try:
+            await self.elector.resign()
+        except (psycopg.Error, PoolTimeout) as e:
+            log.warning("could not resign the leadership (%s); another worker takes over when "
+                        "it expires", reason(e))
+
+    async def _leader_changed(self, worker_id: str | None) -> None:
+        if self.queue.hooks.on_leader_changed:
+            await self.queue.hooks.emit("on_leader_changed", worker_id=worker_id)
 
     async def _all_finished(self) -> None:
         self._none_running = anyio.Event()
@@ -266,16 +295,24 @@ class Worker:
         job = running.job
         assert self.completer is not None and self.fetcher is not None
         outcome: Outcome | None = None
+        hooks = self.queue.hooks if self.queue.hooks.active else None
         try:
             outcome = await execute(running, self.queue.tasks.get(job.task),
-                                    self.queue.tasks, self._threads)
+                                    self.queue.tasks, self._threads, hooks)
         finally:
+            if hooks is not None and hooks.on_finished:
+                hooks.spawn("on_finished", job=job, outcome=finished(outcome, running),
+                            duration=time.monotonic() - running.started)
             self._running.pop((job.id, job.attempt), None)
             if not self._running and self._none_running is not None:
                 self._none_running.set()
             if outcome is not None:
                 self.completer.add(outcome)
             self.fetcher.release_slot()
+
+    def _claimed(self, jobs: list[Job]) -> None:
+        if self.queue.hooks.on_claimed:
+            self.queue.hooks.spawn("on_claimed", jobs=jobs)
 
     def _written(self, outcomes: list[Outcome]) -> None:
         assert self.fetcher is not None

@@ -1,0 +1,114 @@
+"""Hooks and middleware: how tools (metrics, tracing, your own code) watch and wrap jobs.
+
+A hook is any object with one or more of these `async def` methods, called with keyword
+arguments (docs/architecture.md lists where each fires):
+
+    on_enqueued(job_ids, task, queue)        after an enqueue (or enqueue_many) returned its ids
+    on_claimed(jobs)                         a worker claimed these jobs
+    on_started(job)                          just before the handler runs
+    on_finished(job, outcome, duration)      the attempt ended: outcome is one of FINISHED
+    on_reaped(job_ids)                       the leader's reaper took back jobs of dead workers
+    on_leader_changed(worker_id)             this process saw the leader change (None: none)
+
+A hook that raises is logged and never affects a job. Middleware wraps each handler call,
+outermost first: `async def mw(job, call_next): return await call_next(job)`; it may change
+the job it passes on, swallow or replace the result, or raise (Retry, Fail or any error,
+judged as the handler's own). With no hook and no middleware registered, the worker does no
+extra work per job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from .errors import ConfigurationError
+from .job import Job
+
+log = logging.getLogger("asyncjobq.hooks")
+
+Finished = Literal["done", "retry", "snoozed", "failed", "cancelled"]
+FINISHED: tuple[Finished, ...] = ("done", "retry", "snoozed", "failed", "cancelled")
+EVENTS = ("on_enqueued", "on_claimed", "on_started", "on_finished", "on_reaped",
+          "on_leader_changed")
+
+CallNext = Callable[[Job], Awaitable[object]]
+Middleware = Callable[[Job, CallNext], Awaitable[object]]
+_Method = Callable[..., Awaitable[object]]
+
+
+def _is_async(fn: object) -> bool:
+    # An object whose __call__ is `async def` counts too (a middleware class).
+    call = type(fn).__call__ if callable(fn) and not inspect.isroutine(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+class Hooks:
+    """The hooks and middleware registered on one Queue."""
+
+    def __init__(self) -> None:
+        self.on_enqueued: list[_Method] = []
+        self.on_claimed: list[_Method] = []
+        self.on_started: list[_Method] = []
+        self.on_finished: list[_Method] = []
+        self.on_reaped: list[_Method] = []
+        self.on_leader_changed: list[_Method] = []
+        self.middleware: tuple[Middleware, ...] = ()
+        # Whether anything is registered: the worker skips hooks altogether when not.
+        self.active = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._warned: set[tuple[int, str]] = set()
+
+    def add_hook(self, hook: object) -> None:
+        found = {e: getattr(hook, e) for e in EVENTS if callable(getattr(hook, e, None))}
+        if not found:
+            raise ConfigurationError(
+                f"{hook!r} has none of the hook methods: define one or more of "
+                f"{', '.join(EVENTS)} as `async def` methods")
+        for event, method in found.items():
+            if not _is_async(method):
+                raise ConfigurationError(
+                    f"{type(hook).__name__}.{event} is not a coroutine function: define it "
+                    "with `async def`")
+        for event, method in found.items():
+            getattr(self, event).append(method)
+        self.active = True
+
+    def add_middleware(self, middleware: Middleware) -> None:
+        if not callable(middleware) or not _is_async(middleware):
+            raise ConfigurationError(
+                f"middleware {middleware!r} is not a coroutine function: use "
+                "`async def mw(job, call_next): return await call_next(job)`")
+        self.middleware = (*self.middleware, middleware)
+        self.active = True
+
+    async def emit(self, event: str, **kwargs: Any) -> None:
+        """Call every hook of `event`; an exception is logged, never raised."""
+        for method in tuple(getattr(self, event)):
+            try:
+                await method(**kwargs)
+            except Exception as e:
+                key = (id(method), type(e).__name__)
+                first = key not in self._warned
+                self._warned.add(key)
+                # The first of each kind with its traceback; the rest at debug level, since a
+                # broken hook fails for every job.
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "hook %s raised %s: %s (ignored, the job is not affected%s)",
+                        getattr(method, "__qualname__", repr(method)), type(e).__name__, e,
+                        "; repeats are logged at debug level" if first else "", exc_info=first)
+
+    def spawn(self, event: str, **kwargs: Any) -> None:
+        """emit() in a task of its own, from code that must not wait (claims, completions)."""
+        task = asyncio.get_running_loop().create_task(self.emit(event, **kwargs),
+                                                       name=f"asyncjobq hook {event}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self, timeout: float) -> None:
+        """Wait (up to `timeout`) for hooks spawned earlier, e.g. before a worker exits."""
+        if self._tasks:
+            await asyncio.wait(tuple(self._tasks), timeout=timeout)

@@ -1,0 +1,91 @@
+"""Leadership: one worker per schema runs the once-per-fleet maintenance services.
+
+The leader holds the `leader` row (sql/0002_leader.sql) and renews it every third of its lease.
+It acts as leader only until its last renewal's lease would run out *as measured from when the
+renewal was sent*: the server set the row's expiry no earlier than that, and other workers take
+the row only after the server's clock passes it, so two workers never act as leader at once
+(beyond a maintenance turn already under way when the lease ran out). A leader that stops
+resigns, so another takes over at its next attempt instead of waiting for the expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from .services import Service
+
+if TYPE_CHECKING:
+    from .queue import Queue
+
+log = logging.getLogger("asyncjobq.leader")
+
+
+class Elector(Service):
+    """A maintenance service of its own (services.py): each turn elects or renews."""
+
+    name = "leader"
+    eager = True
+
+    def __init__(self, queue: Queue, worker_id: str, *, ttl: float,
+                 on_change: Callable[[str | None], Awaitable[None]] | None = None) -> None:
+        self._queue = queue
+        self._worker_id = worker_id
+        self.ttl = ttl
+        self.interval = ttl / 3
+        self.max_backoff = self.interval
+        self._on_change = on_change
+        self._valid_until = 0.0  # monotonic; leader while now is before it
+        self.leader: str | None = None  # the leader this worker saw last
+        self.since: datetime | None = None
+        self.terms = 0  # times this worker became leader
+
+    @property
+    def is_leader(self) -> bool:
+        return time.monotonic() < self._valid_until
+
+    async def turn(self) -> None:
+        sent = time.monotonic()
+        try:
+            async with self._queue.connection() as conn:
+                cur = await conn.execute(self._queue.sql.leader_elect,
+                                         {"worker": self._worker_id, "ttl": self.ttl})
+                row = await cur.fetchone()
+        except BaseException:
+            # Unknown whether the renewal landed: what was held is held until it runs out.
+            if self.leader == self._worker_id and not self.is_leader:
+                await self._observe(None, None)
+            raise
+        leader, since = (str(row[0]), row[1]) if row else (None, None)
+        was = self.is_leader
+        if leader == self._worker_id:
+            self._valid_until = sent + self.ttl
+            if not was:
+                self.terms += 1
+                log.info("worker %s is now the leader of schema %s", self._worker_id,
+                         self._queue.schema)
+        elif was:
+            self._valid_until = 0.0
+            log.warning("worker %s lost the leadership of schema %s to %s", self._worker_id,
+                        self._queue.schema, leader)
+        await self._observe(leader, since)
+
+    async def _observe(self, leader: str | None, since: datetime | None) -> None:
+        if leader == self.leader:
+            return
+        self.leader, self.since = leader, since
+        if self._on_change is not None:
+            await self._on_change(leader)
+
+    async def resign(self) -> None:
+        """Give the row up (on stop), so that another worker leads at its next turn."""
+        if not self.is_leader:
+            return
+        self._valid_until = 0.0
+        async with self._queue.connection() as conn:
+            await conn.execute(self._queue.sql.leader_resign, {"worker": self._worker_id})
+        log.info("worker %s resigned the leadership of schema %s", self._worker_id,
+                 self._queue.schema)

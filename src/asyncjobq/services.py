@@ -1,0 +1,81 @@
+"""Maintenance services and the one runner that runs them (docs/architecture.md).
+
+A service is a small object of one shape: a `name`, an `interval` in seconds, `leader_only`
+(run on the fleet's leader only, leader.py) and `async turn()`. The runner calls each turn every
+interval, logs and backs off when a turn fails, and never dies of a failed turn: a bug in one
+service must not stop a worker's claims, nor the other services. A service that sets
+`disabled` is not run again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import anyio
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from .errors import reason
+
+log = logging.getLogger("asyncjobq.services")
+
+MAX_BACKOFF = 60.0
+
+
+class Service:
+    name = "service"
+    interval = 1.0
+    leader_only = False
+    disabled = False
+    # Run the first turn at once rather than after one interval.
+    eager = False
+    # Failed turns back off up to this (the elector must keep trying every interval).
+    max_backoff = MAX_BACKOFF
+
+    async def turn(self) -> object:
+        raise NotImplementedError
+
+
+class ServiceRunner:
+    def __init__(self, services: Sequence[Service], *,
+                 is_leader: Callable[[], bool] = lambda: True) -> None:
+        self.services = list(services)
+        self._is_leader = is_leader
+        self.failures: dict[str, int] = {}
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for service in self.services:
+                tg.start_soon(self._loop, service, name=f"asyncjobq service {service.name}")
+
+    async def _loop(self, service: Service) -> None:
+        delay = 0.0 if service.eager else service.interval
+        failed_kinds: set[str] = set()
+        while not service.disabled:
+            await anyio.sleep(delay)
+            delay = service.interval
+            if service.leader_only and not self._is_leader():
+                continue
+            try:
+                await service.turn()
+            except (psycopg.Error, PoolTimeout, OSError) as e:
+                delay = self._failed(service, e, failed_kinds, traceback=False)
+            except Exception as e:  # a bug: logged with its traceback, the worker goes on
+                delay = self._failed(service, e, failed_kinds, traceback=True)
+            else:
+                failed_kinds.clear()
+                self.failures[service.name] = 0
+
+    def _failed(self, service: Service, e: Exception, seen: set[str], *,
+                traceback: bool) -> float:
+        n = self.failures[service.name] = self.failures.get(service.name, 0) + 1
+        delay = max(service.interval,
+                    min(service.max_backoff, service.interval * 2.0 ** min(n, 6)))
+        kind = type(e).__name__
+        # Once per kind of error until a turn succeeds: an outage must not flood the log.
+        level = logging.DEBUG if kind in seen else logging.WARNING
+        seen.add(kind)
+        log.log(level, "%s turn failed (%s); trying again in %.1f s", service.name, reason(e),
+                delay, exc_info=traceback)
+        return delay
