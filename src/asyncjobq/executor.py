@@ -15,7 +15,7 @@ from .outcome import MAX_DELAY, Outcome, default_backoff
 from .task import Backoff, Task
 from .threads import ThreadRunner
 
-log = logging.getLogger("asyncjobq.worker")
+log = logging.getLogger("asyncjobq.executor")
 
 
 @dataclass

@@ -21,7 +21,7 @@ import psycopg
 from .errors import reason
 from .queue import Queue
 
-log = logging.getLogger("asyncjobq.worker")
+log = logging.getLogger("asyncjobq.heartbeat")
 
 TICK = 0.1  # how often the loop reports that it is alive
 

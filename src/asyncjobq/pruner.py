@@ -22,7 +22,7 @@ from .services import Service
 if TYPE_CHECKING:
     from .queue import Queue
 
-log = logging.getLogger("asyncjobq.worker")
+log = logging.getLogger("asyncjobq.pruner")
 
 DEFAULT_RETENTION = timedelta(days=1)
 PRUNE_BATCH = 5000

@@ -82,10 +82,10 @@ class Reaper(Service):
                         await conn.execute(
                             st.queue_notify, {"channel": self._queue.channel, "queue": queue}
                         )
-                for job_id, status, _queue in rows:
-                    log.warning("job %s: lease expired (worker stopped heartbeating); %s",
-                                job_id, "requeued" if status == "queued" else "failed, no "
-                                "attempts left")
+                for job_id, status, _queue, task, worker in rows:
+                    log.warning("job %s (%s): lease expired (worker %s stopped heartbeating); "
+                                "%s", job_id, task, worker, "requeued" if status == "queued"
+                                else "failed, no attempts left")
                 total.extend(int(r[0]) for r in rows)
                 self.reaped += len(rows)
                 if len(rows) < REAP_BATCH:

@@ -423,7 +423,7 @@ class Statements:
         # or fail once the attempts are spent (a job that keeps killing workers is a poison pill).
         return _q(
             "WITH stuck AS ("
-            " SELECT id FROM {s}.jobs WHERE status = 'running'"
+            " SELECT id, locked_by FROM {s}.jobs WHERE status = 'running'"
             "   AND locked_at < now() - make_interval(secs => %(lease)s)"
             " ORDER BY locked_at LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED)"
             " UPDATE {s}.jobs j SET"
@@ -436,7 +436,7 @@ class Statements:
             "            j.attempts, j.locked_by, j.locked_at)), 8000),"
             "   locked_by = NULL, locked_at = NULL"
             " FROM stuck WHERE j.id = stuck.id"
-            " RETURNING j.id, j.status::text, j.queue",
+            " RETURNING j.id, j.status::text, j.queue, j.task, stuck.locked_by",
             self.schema,
         )
 

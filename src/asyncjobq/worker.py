@@ -59,7 +59,28 @@ def default_batch_size(concurrency: int) -> int:
 
 
 class Worker:
-    """Runs the handlers registered on `queue` for jobs of `queues`."""
+    """Runs the handlers registered on `queue` for jobs of `queues`, until stop().
+
+    Args:
+        queue: the Queue whose tasks this worker runs (and whose database it claims from).
+        queues: names of the queues to claim from (a string for one).
+        concurrency: handlers running at once; sync (`def`) handlers count too, each in a
+            thread of its own, until their body returns even past a timeout.
+        batch_size: most jobs claimed per statement (claims are sized to free slots);
+            default 10, or concurrency // 2 up to 100.
+        lease: seconds a running job may go without a heartbeat before any worker's reaper
+            takes it back; also how long the leader's row lasts. Use one value per schema.
+        poll_interval: seconds between polls when idle; notifications wake workers sooner.
+        shutdown_timeout: seconds running handlers get to finish after stop() or SIGTERM
+            before they are cancelled and their jobs put back to queued.
+        name: prefix of this worker's id (`locked_by`); default "<host>-<pid>".
+        listen: wake on LISTEN/NOTIFY (True) or poll only (False).
+        flush_interval: seconds an outcome may wait to be written with others.
+        reap_interval: seconds between the leader's reaper turns; default min(5, lease / 2).
+        prune_interval: seconds between the leader's history pruning turns.
+        vacuum_interval: seconds between the leader's checks of the hot table's dead rows;
+            None leaves the table to autovacuum.
+    """
 
     def __init__(
         self,
