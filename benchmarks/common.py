@@ -92,7 +92,7 @@ def start_server() -> Server:
     if dsn:
         server = Server(dsn=dsn, pgbench=find_pgbench(False), embedded=False)
     else:
-        from asyncjobq.embedded import start_pgserver
+        from asyncjobq._db.embedded import start_pgserver
 
         log(f"starting embedded PostgreSQL in {PGDATA}")
         handle = start_pgserver(PGDATA, cleanup_mode="stop")

@@ -400,7 +400,7 @@ def main() -> None:
     label = "$ASYNCJOBQ_DSN"
     server = None
     if not dsn:
-        from asyncjobq.embedded import start_pgserver
+        from asyncjobq._db.embedded import start_pgserver
 
         server = start_pgserver(HERE / ".pgdata", cleanup_mode="stop")
         dsn, label = str(server.get_uri()), "embedded pgserver"

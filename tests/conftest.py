@@ -27,7 +27,7 @@ ROOT = TESTS.parent
 
 
 def _start_embedded(path: Path) -> Any:
-    from asyncjobq.embedded import start_pgserver
+    from asyncjobq._db.embedded import start_pgserver
 
     return start_pgserver(path, cleanup_mode="delete")
 

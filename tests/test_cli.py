@@ -19,7 +19,8 @@ from claims import CREATE_CLAIMS
 from conftest import execute, fetchval, run_cli, spawn_worker, wait_for
 from psycopg import sql
 
-from asyncjobq import Queue, migrations
+from asyncjobq import Queue
+from asyncjobq._db import migrations
 
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"
 SECRET = "s3cretpw"

@@ -19,7 +19,7 @@ import pytest
 from conftest import TESTS, run_cli, wait_for
 
 import asyncjobq
-from asyncjobq import embedded
+from asyncjobq._db import embedded
 
 INSTALL_HINT = "pip install 'asyncjobq[embedded]'"
 
@@ -72,7 +72,7 @@ def test_cli_without_dsn_uses_embedded_server(workdir: Path) -> None:
 
     r = run_cli("install", env=env, timeout=150)
     assert r.returncode == 0, (r.stdout, r.stderr)
-    versions = ", ".join(str(m.version) for m in asyncjobq.migrations.available())
+    versions = ", ".join(str(m.version) for m in asyncjobq._db.migrations.available())
     assert r.stdout.strip() == f"schema asyncjobq: applied migrations {versions}", r.stdout
     _notice(r.stderr, pgdata)
     assert (pgdata / "PG_VERSION").exists()

@@ -16,9 +16,9 @@ import pytest
 from conftest import execute, fetchval, run_cli, running, wait_for
 
 from asyncjobq import Job, Queue, Worker
+from asyncjobq._maintenance.pruner import Retention, prune_history
 from asyncjobq.doctor import CLAIM_BLOCKS_PROBLEM, PROBLEM, Report, diagnose, explain_claim
 from asyncjobq.errors import ConfigurationError
-from asyncjobq.pruner import Retention, prune_history
 
 
 async def finish_jobs(queue: Queue, counts: dict[str, int]) -> dict[str, list[int]]:
@@ -112,9 +112,10 @@ async def test_prune_works_in_bounded_batches(queue: Queue) -> None:
     await insert_old_history(queue, 12_000)
     policy = Retention(3600.0)
     # The workers' turn stops after max_batches; the rest waits for the next turn.
-    assert await prune_history(queue, policy, batch=5000, max_batches=2) == {"default": 10_000}
+    db = queue.database
+    assert await prune_history(db, policy, batch=5000, max_batches=2) == {"default": 10_000}
     assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs_history") == 2000
-    assert await prune_history(queue, policy, batch=5000, max_batches=2) == {"default": 2000}
+    assert await prune_history(db, policy, batch=5000, max_batches=2) == {"default": 2000}
 
 
 async def test_only_one_pruner_at_a_time(queue: Queue, pg_dsn: str) -> None:
@@ -123,9 +124,9 @@ async def test_only_one_pruner_at_a_time(queue: Queue, pg_dsn: str) -> None:
         async with other.transaction():
             await other.execute(queue.sql.pruner_lock)
             # A worker's turn skips while another worker is pruning...
-            assert await prune_history(queue, Retention(60.0)) == {}
+            assert await prune_history(queue.database, Retention(60.0)) == {}
     # ...and works once it is done.
-    assert await prune_history(queue, Retention(60.0)) == {"default": 10}
+    assert await prune_history(queue.database, Retention(60.0)) == {"default": 10}
 
 
 async def test_workers_prune_in_their_maintenance_turn(pg_dsn: str, schema: str) -> None:

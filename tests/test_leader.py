@@ -4,12 +4,13 @@ is replaced within about a lease; two workers never act as leader at once."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
 import psycopg
 import pytest
-from conftest import execute, fetchval, spawn_worker, wait_for
+from conftest import execute, fetchval, run_cli, spawn_worker, wait_for
 
 from asyncjobq import Queue, Worker
 
@@ -168,3 +169,22 @@ async def test_status_of_the_leader(queue: Queue) -> None:
 async def _leader_is(queue: Queue, worker_id: str) -> bool:
     info = await queue.leader()
     return info is not None and info["worker"] == worker_id
+
+
+async def test_status_shows_the_leader(queue: Queue, pg_dsn: str) -> None:
+    r = run_cli("status", "--json", "--schema", queue.schema, dsn=pg_dsn)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["leader"] is None
+    w = Worker(queue, lease=5.0)
+    task = asyncio.create_task(w.run())
+    try:
+        await wait_for(lambda: _leader_is(queue, w.id), timeout=10, what="leader row")
+        r = run_cli("status", "--json", "--schema", queue.schema, dsn=pg_dsn)
+        assert r.returncode == 0, r.stderr
+        lead = json.loads(r.stdout)["leader"]
+        assert lead["worker"] == w.id and lead["since"]
+        r = run_cli("status", "--schema", queue.schema, dsn=pg_dsn, env={"COLUMNS": "200"})
+        assert f"leader: {w.id}" in r.stdout
+    finally:
+        w.stop()
+        await asyncio.wait_for(task, timeout=30)

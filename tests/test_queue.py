@@ -13,8 +13,9 @@ from conftest import execute, fetchval
 from psycopg import sql
 
 import asyncjobq
-from asyncjobq import Queue, migrations
-from asyncjobq.inserter import Inserter
+from asyncjobq import Queue
+from asyncjobq._db import migrations
+from asyncjobq._db.inserter import Inserter
 
 
 async def test_install_is_idempotent_and_concurrency_safe(pg_dsn: str, schema: str) -> None:

@@ -24,7 +24,7 @@ from psycopg.conninfo import make_conninfo
 
 import asyncjobq
 from asyncjobq import Fail, Job, Queue, Worker
-from asyncjobq.migrations import available
+from asyncjobq._db.migrations import available
 
 # {schema} is replaced by the test's schema, so a string that escaped into SQL would hit it.
 HOSTILE = [

@@ -15,17 +15,17 @@ from conftest import execute, fetchval, running, wait_for
 
 import asyncjobq
 from asyncjobq import Fail, Job, Queue, Retry, Worker
-from asyncjobq.completer import Completer
+from asyncjobq._maintenance.reaper import Reaper
+from asyncjobq._worker.completer import Completer
+from asyncjobq._worker.fetcher import Fetcher
+from asyncjobq._worker.outcome import Outcome
 from asyncjobq.doctor import explain_claim
-from asyncjobq.fetcher import Fetcher
-from asyncjobq.outcome import Outcome
-from asyncjobq.reaper import Reaper
 
 
 def claimer(queue: Queue, queues: list[str], batch: int) -> Fetcher:
     """A fetcher for calling claim() directly: `batch` slots, always free."""
-    return Fetcher(queue, "w", queues, batch_size=batch, concurrency=batch, poll_interval=1,
-                   free_slots=lambda: batch, dispatch=lambda j: None)
+    return Fetcher(queue.database, "w", queues, batch_size=batch, concurrency=batch,
+                   poll_interval=1, free_slots=lambda: batch, dispatch=lambda j: None)
 
 
 async def status_of(queue: Queue, job_id: int) -> str:
@@ -269,13 +269,13 @@ async def test_stale_worker_completion_is_refused_by_fencing(queue: Queue) -> No
     job_id = await queue.enqueue("t", {})
 
     def fetcher(worker_id: str) -> Fetcher:
-        return Fetcher(queue, worker_id, ["default"], batch_size=1, concurrency=1,
+        return Fetcher(queue.database, worker_id, ["default"], batch_size=1, concurrency=1,
                        poll_interval=1, free_slots=lambda: 1, dispatch=lambda j: None)
 
     (a_job,) = await fetcher("worker-a").claim(1)
     # worker-a goes silent: its lease runs out and the reaper requeues the job...
     await execute(queue, "UPDATE {s}.jobs SET locked_at = now() - interval '1 hour'")
-    assert await Reaper(queue, lease=30, interval=1).reap() == 1
+    assert await Reaper(queue.database, lease=30, interval=1).reap() == 1
     info = await queue.get(job_id)
     assert info is not None and info.status == "queued" and info.last_error is not None
     assert "lease expired, worker worker-a stopped heartbeating" in info.last_error
@@ -283,14 +283,14 @@ async def test_stale_worker_completion_is_refused_by_fencing(queue: Queue) -> No
     (b_job,) = await fetcher("worker-b").claim(1)
     assert b_job.attempt == 2
     # ...and worker-a's late completion of attempt 1 is refused, not written.
-    late = Completer(queue, "worker-a", max_batch=10)
+    late = Completer(queue.database, "worker-a", max_batch=10)
     late.add(Outcome(a_job.id, a_job.attempt, "done"))
     await late.flush()
     assert late.refused == 1
     assert await status_of(queue, job_id) == "running"
     assert await fetchval(queue, "SELECT locked_by FROM {s}.jobs WHERE id = %s",
                           job_id) == "worker-b"
-    b = Completer(queue, "worker-b", max_batch=10)
+    b = Completer(queue.database, "worker-b", max_batch=10)
     b.add(Outcome(b_job.id, b_job.attempt, "done"))
     await b.flush()
     assert b.refused == 0 and await status_of(queue, job_id) == "done"
@@ -300,11 +300,12 @@ async def test_a_flush_claims_the_next_jobs_in_the_same_statement(queue: Queue) 
     first = await queue.enqueue("t", {})
     rest = await queue.enqueue_many("t", [{} for _ in range(5)])
     dispatched: list[Job] = []
-    fetcher = Fetcher(queue, "w", ["default"], batch_size=3, concurrency=4, poll_interval=1,
-                      free_slots=lambda: 4 - len(dispatched), dispatch=dispatched.append)
+    fetcher = Fetcher(queue.database, "w", ["default"], batch_size=3, concurrency=4,
+                      poll_interval=1, free_slots=lambda: 4 - len(dispatched),
+                      dispatch=dispatched.append)
     (job,) = await fetcher.claim(1)
     assert job.id == first
-    completer = Completer(queue, "w", max_batch=10, fetcher=fetcher)
+    completer = Completer(queue.database, "w", max_batch=10, fetcher=fetcher)
     completer.add(Outcome(job.id, job.attempt, "done"))
     completer.add(Outcome(rest[4], 1, "done"))  # not held by "w": refused, not written
     async with anyio.create_task_group() as tg:
@@ -374,7 +375,7 @@ async def test_claims_run_on_a_generic_plan_that_reads_the_claim_index(
         assert len(await fetcher.claim(10)) == 10
         plan = await reused_plan(3)
         assert "jobs_dequeue_idx" in plan and "Seq Scan" not in plan, plan
-    completer = Completer(queue, "w", max_batch=10, fetcher=fetcher)
+    completer = Completer(queue.database, "w", max_batch=10, fetcher=fetcher)
     for held in completer._lanes:
         async with held, held.connection() as conn:
             cur = await conn.execute(
@@ -517,7 +518,7 @@ async def test_only_one_reaper_works_at_a_time(queue: Queue, pg_dsn: str) -> Non
     await queue.enqueue_many("t", [{} for _ in range(3)])
     await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1,"
                   " locked_by = 'gone', locked_at = now() - interval '1 hour'")
-    reaper = Reaper(queue, lease=30, interval=1)
+    reaper = Reaper(queue.database, lease=30, interval=1)
     # Another worker's reaper is mid-turn: it holds the advisory lock in its transaction.
     async with await psycopg.AsyncConnection.connect(pg_dsn) as other:
         async with other.transaction():

@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 import click
 import psycopg
 
-from . import migrations, runtime
-from .dsn import check_dsn, validate_schema
+from . import runtime
+from ._db import migrations
+from ._db.dsn import check_dsn, validate_schema
 from .errors import AppImportError, AsyncJobQError, ConfigurationError, a_or_an, reason
 from .queue import Queue
 from .worker import Worker
@@ -299,16 +300,19 @@ def enqueue(task: str, payload: dict[str, Any], queue: str, priority: int, delay
 def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
     """Per queue: counts by status, oldest queued age, stale running, last-minute throughput."""
 
-    async def gather(q: Queue) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
+    async def gather(q: Queue) -> tuple[dict[str, dict[str, int]], dict[str, Any],
+                                        dict[str, Any] | None]:
         # Counts read from a schema of another version could be wrong; say so instead.
         async with q.connection() as conn:
             await migrations.check(conn, q.schema)
-        return await q.stats(), await q.health(lease)
+        return await q.stats(), await q.health(lease), await q.leader()
 
-    counts, health = _with_queue(dsn, schema, gather)
+    counts, health, leader = _with_queue(dsn, schema, gather)
+    lead = None if leader is None else {"worker": leader["worker"],
+                                        "since": leader["since"].isoformat()}
     if as_json:
-        click.echo(json.dumps({"schema": schema, "queues": counts, "health": health},
-                              indent=2, sort_keys=True))
+        click.echo(json.dumps({"schema": schema, "queues": counts, "health": health,
+                               "leader": lead}, indent=2, sort_keys=True))
         return
     from rich.console import Console
     from rich.table import Table
@@ -324,8 +328,9 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
                                                   "cancelled")),
                       "-" if age is None else f"{age:.1f} s", str(h.get("stale_running", 0)),
                       str(h.get("done_last_minute", 0)))
-    if not counts:
-        table.caption = "no jobs yet"
+    who = ("leader: none (no worker running)" if lead is None
+           else f"leader: {lead['worker']} since {lead['since']}")
+    table.caption = f"no jobs yet; {who}" if not counts else who
     Console().print(table)
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from . import migrations
+from ._db import migrations
 from .queue import Queue
 
 OK, WARNING, PROBLEM = "ok", "warning", "problem"

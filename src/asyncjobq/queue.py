@@ -4,43 +4,57 @@ from __future__ import annotations
 
 import json
 import math
-import select
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any
 
 import psycopg
 import psycopg.errors
-from psycopg import AsyncConnection
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
-from . import migrations
-from .dsn import redact, resolve_dsn, validate_schema
+from ._db import migrations
+from ._db.database import NOT_OPEN, Conn, Database, storable
+from ._db.dsn import validate_schema
+from ._db.inserter import Inserter
+from ._db.sql import Statements
+from ._maintenance.pruner import (
+    DEFAULT_RETENTION,
+    Age,
+    Retention,
+    prune_failed,
+    prune_history,
+    seconds,
+)
 from .errors import (
     AsyncJobQError,
     ConfigurationError,
-    DatabaseUnavailableError,
     InvalidPayloadError,
     QueueClosedError,
-    SchemaNotInstalledError,
     reason,
 )
 from .hooks import Hooks, Middleware
-from .inserter import Inserter
-from .job import STATUSES, JobInfo
-from .outcome import MAX_DELAY
-from .pruner import DEFAULT_RETENTION, Age, Retention, prune_failed, prune_history, seconds
-from .sql import Statements, statements
+from .job import MAX_DELAY, STATUSES, JobInfo
 from .task import Backoff, Handler, Task
-
-Conn = AsyncConnection[Any]
-_NOT_OPEN = "the queue is not open: use `async with queue:` or `await queue.open()` first"
 
 
 class Queue:
-    """A job queue in one PostgreSQL schema. Open it (`async with queue:`) before use."""
+    """A job queue in one PostgreSQL schema. Open it (`async with queue:`) before use.
+
+    Args:
+        dsn: the PostgreSQL DSN; None takes $ASYNCJOBQ_DSN, else starts (or reuses) the
+            embedded server (asyncjobq[embedded]) under ./.asyncjobq or $ASYNCJOBQ_HOME.
+        schema: the schema holding the queue's tables; several queues may share a database.
+        pool_min_size: connections the pool keeps open.
+        pool_max_size: connections the pool may open (handlers' `queue.connection()` included;
+            a worker also holds a few of its own: listen, heartbeat, fetch, complete).
+        connect_timeout: seconds to wait for the server when opening.
+        application_name: shown in pg_stat_activity; the worker's connections append a suffix.
+        retention: how long done and cancelled jobs stay in history (a timedelta or seconds;
+            None keeps them forever).
+        queue_retention: retention per queue name, overriding `retention`.
+    """
 
     def __init__(
         self,
@@ -62,40 +76,50 @@ class Queue:
                 f"pool sizes min={pool_min_size} max={pool_max_size} are invalid: "
                 "use 0 <= pool_min_size <= pool_max_size and pool_max_size >= 1"
             )
-        self._dsn_arg = dsn
-        self._dsn: str | None = None
-        self._pool_sizes = (pool_min_size, pool_max_size)
-        self._connect_timeout = connect_timeout
-        # Shown in pg_stat_activity; the worker's own connections append -listen, -heartbeat.
-        self.application_name = application_name
-        self._pool: AsyncConnectionPool[Conn] | None = None
+        self._db = Database(dsn, schema=self.schema, pool_min_size=pool_min_size,
+                            pool_max_size=pool_max_size, connect_timeout=connect_timeout,
+                            application_name=application_name)
         self._inserter: Inserter | None = None
         self.tasks: dict[str, Task] = {}
-        self.sql: Statements = statements(self.schema)
         self.hooks = Hooks()
 
     def __repr__(self) -> str:
-        where = redact(self._dsn) if self._dsn else (self._dsn_arg and redact(self._dsn_arg))
-        return f"<asyncjobq.Queue schema={self.schema!r} dsn={where or 'unresolved'!r}>"
+        return f"<asyncjobq.Queue schema={self.schema!r} dsn={self._db.where()!r}>"
+
+    @property
+    def database(self) -> Database:
+        """The schema's database access (DSN, pool, named statements) that the worker's parts
+        and the maintenance services are handed; for integrations and tests."""
+        return self._db
+
+    @property
+    def sql(self) -> Statements:
+        """Every statement asyncjobq runs on this schema, by name."""
+        return self._db.sql
 
     @property
     def channel(self) -> str:
         """The NOTIFY channel the jobs table's insert trigger signals."""
-        return f"{self.schema}_jobs"
+        return self._db.channel
 
     @property
     def dsn(self) -> str:
         """The DSN in use (resolved on first use: argument, $ASYNCJOBQ_DSN, embedded)."""
-        if self._dsn is None:
-            self._dsn = resolve_dsn(self._dsn_arg)
-        return self._dsn
+        return self._db.dsn
+
+    @property
+    def application_name(self) -> str:
+        """Shown in pg_stat_activity; the worker's own connections append -listen, -heartbeat,
+        -fetch, -complete."""
+        return self._db.application_name
+
+    @application_name.setter
+    def application_name(self, name: str) -> None:
+        self._db.application_name = name
 
     def set_dsn(self, dsn: str | None) -> None:
         """Point a not-yet-opened queue at another database (the CLI's --dsn does this)."""
-        if self._pool is not None:
-            raise ConfigurationError("set_dsn() on an open queue: close it first")
-        self._dsn_arg = dsn
-        self._dsn = None
+        self._db.set_dsn(dsn)
 
     # --- task registry ---------------------------------------------------------------------
 
@@ -109,7 +133,19 @@ class Queue:
         priority: int = 0,
         backoff: Backoff | None = None,
     ) -> Callable[[Handler], Task]:
-        """Register a handler: `@queue.task()` above `async def` (plain `def` runs in a thread)."""
+        """Register a handler: `@queue.task()` above `async def` (plain `def` runs in a thread).
+
+        Args:
+            name: the task's name, stored with each job; default "<module>.<qualname>".
+            queue: the queue its jobs go to unless enqueue says otherwise.
+            max_attempts: attempts before a failing job is dead-lettered (`failed`).
+            timeout: seconds an attempt may run before it is cancelled and counted as failed;
+                a `def` handler cannot be interrupted, so its job keeps its slot and lease
+                until the body returns. None: no limit.
+            priority: higher runs first among due jobs of a queue.
+            backoff: seconds to wait before the next attempt, given the attempt that failed;
+                default min(300, 2 ** attempt) plus up to 10 % jitter.
+        """
         _check_queue_name(queue)
         _check_max_attempts(max_attempts)
         _check_int("priority", priority)
@@ -145,50 +181,18 @@ class Queue:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def open(self) -> None:
-        if self._pool is not None:
+        if self._db.is_open:
             return
-        dsn = self.dsn
-        # One direct attempt first: an unreachable server fails in seconds with the driver's
-        # reason, instead of a pool timeout that hides it.
-        try:
-            probe = await AsyncConnection.connect(
-                dsn, connect_timeout=int(self._connect_timeout),
-                application_name=self.application_name)
-            await probe.close()
-        except psycopg.OperationalError as e:
-            raise DatabaseUnavailableError(
-                f"cannot connect to PostgreSQL at {redact(dsn)}: {reason(e)}; check that "
-                "the server is running and the DSN is right (--dsn or $ASYNCJOBQ_DSN)"
-            ) from None
-        lo, hi = self._pool_sizes
-        pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
-            dsn,
-            min_size=lo,
-            max_size=hi,
-            kwargs={"autocommit": True, "application_name": self.application_name},
-            open=False,
-            check=check_idle_connection,
-            name=f"asyncjobq-{self.schema}",
-            timeout=30.0,
-        )
-        try:
-            await pool.open(wait=True, timeout=self._connect_timeout)
-        except PoolTimeout:
-            await pool.close()
-            raise DatabaseUnavailableError(
-                f"cannot open {lo} connection(s) to {redact(dsn)} within "
-                f"{self._connect_timeout} s: check max_connections and the server's load"
-            ) from None
-        self._pool = pool
+        await self._db.open()
         # Half the pool at most for coalesced enqueues: handlers and admin calls keep the rest.
-        self._inserter = Inserter(self._write_rows, max_in_flight=max(1, hi // 2))
+        self._inserter = Inserter(self._write_rows,
+                                  max_in_flight=max(1, self._db.pool_sizes[1] // 2))
 
     async def close(self) -> None:
         if self._inserter is not None:
             await self._inserter.drain()
-        pool, self._pool, self._inserter = self._pool, None, None
-        if pool is not None:
-            await pool.close()
+        self._inserter = None
+        await self._db.close()
 
     async def __aenter__(self) -> Queue:
         await self.open()
@@ -204,36 +208,26 @@ class Queue:
 
     @property
     def pool(self) -> AsyncConnectionPool[Conn]:
-        if self._pool is None:
-            raise QueueClosedError(_NOT_OPEN)
-        return self._pool
+        return self._db.pool
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[Conn]:
         """A pooled autocommit connection (for handlers and admin work)."""
-        async with self.pool.connection() as conn:
+        async with self._db.connection() as conn:
             yield conn
 
     @asynccontextmanager
     async def _conn(self, conn: Conn | None) -> AsyncIterator[Conn]:
-        with self.translate_errors():
+        with self._db.translate_errors():
             if conn is not None:
                 yield conn
             else:
-                async with self.pool.connection() as c:
+                async with self._db.connection() as c:
                     yield c
 
-    @contextmanager
-    def translate_errors(self) -> Iterator[None]:
+    def translate_errors(self) -> AbstractContextManager[None]:
         """Turn 'schema or table missing' into an error that says to run install."""
-        try:
-            yield
-        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName,
-                psycopg.errors.UndefinedObject) as e:
-            raise SchemaNotInstalledError(
-                f"schema {self.schema} is not installed ({reason(e)}): run "
-                "`python -m asyncjobq install` (or `await queue.install()`)"
-            ) from None
+        return self._db.translate_errors()
 
     # --- install ---------------------------------------------------------------------------
 
@@ -302,7 +296,7 @@ class Queue:
 
     def _open_inserter(self) -> Inserter:
         if self._inserter is None:
-            raise QueueClosedError(_NOT_OPEN)
+            raise QueueClosedError(NOT_OPEN)
         return self._inserter
 
     async def _write_rows(self, rows: list[str]) -> list[int]:
@@ -447,9 +441,9 @@ class Queue:
             policy = Retention(age)
         else:
             policy = Retention(None, ((queue, age),))
-        deleted = await prune_history(self, policy, wait=True)
+        deleted = await prune_history(self._db, policy, wait=True)
         if failed and age is not None:
-            for q, n in (await prune_failed(self, age, only_queue=queue)).items():
+            for q, n in (await prune_failed(self._db, age, only_queue=queue)).items():
                 deleted[q] = deleted.get(q, 0) + n
         return deleted
 
@@ -459,27 +453,6 @@ class Queue:
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_cancel, (job_id,))
             return await cur.fetchone() is not None
-
-
-async def check_idle_connection(conn: Conn) -> None:
-    """The pool's check on checkout, without a round trip for a connection that looks alive.
-
-    psycopg_pool's check_connection sends an empty query on every checkout: one enqueue()
-    became two round trips (measured: 30-40 % of the concurrent enqueue rate). An idle
-    connection has nothing to read; when the server has ended it (restart, terminated
-    backend, crash) the socket turns readable with the server's FATAL message or EOF, and
-    only then is the round trip made, which raises and makes the pool replace it.
-    """
-    if conn.closed or conn.broken:
-        raise psycopg.OperationalError("the connection is closed")
-    if not hasattr(select, "poll"):  # Windows
-        await AsyncConnectionPool.check_connection(conn)
-        return
-    # poll(), not select(): select() refuses descriptors past 1024, which busy services reach.
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
-    if poller.poll(0):
-        await AsyncConnectionPool.check_connection(conn)
 
 
 def _encode_payload(payload: object, index: int | None = None) -> str:
@@ -535,15 +508,7 @@ def _encode_each(payloads: list[object]) -> None:
         _encode_payload(p, index=i)
 
 
-def _storable(text: str) -> bool:
-    """Whether PostgreSQL text can hold it: no NUL, and valid UTF-8 (no lone surrogates)."""
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+_storable = storable
 
 
 def _unstorable_string(value: object) -> str | None:

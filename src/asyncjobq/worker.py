@@ -21,22 +21,22 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from . import migrations
-from .completer import Completer
+from ._db import migrations
+from ._maintenance.leader import Elector
+from ._maintenance.pruner import Pruner
+from ._maintenance.reaper import Reaper
+from ._maintenance.services import Service, ServiceRunner
+from ._maintenance.vacuum import HotTableVacuum
+from ._worker.completer import Completer
+from ._worker.executor import RunningJob, execute, finished
+from ._worker.fetcher import Fetcher
+from ._worker.heartbeat import Heartbeat
+from ._worker.listener import Listener
+from ._worker.outcome import Outcome
+from ._worker.threads import ThreadRunner
 from .errors import ConfigurationError, reason
-from .executor import RunningJob, execute, finished
-from .fetcher import Fetcher
-from .heartbeat import Heartbeat
 from .job import Job
-from .leader import Elector
-from .listener import Listener
-from .outcome import Outcome
-from .pruner import Pruner
 from .queue import Queue, _check_name, _check_queue_name
-from .reaper import Reaper
-from .services import Service, ServiceRunner
-from .threads import ThreadRunner
-from .vacuumer import HotTableVacuum
 
 log = logging.getLogger("asyncjobq.worker")
 
@@ -187,25 +187,26 @@ class Worker:
         await self.queue.open()
         async with self.queue.connection() as conn:
             await migrations.check(conn, self.queue.schema)
+        db = self.queue.database
         fetcher = self.fetcher = Fetcher(
-            self.queue, self.id, self.queues, batch_size=self.batch_size,
+            db, self.id, self.queues, batch_size=self.batch_size,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
             free_slots=self._free_slots, dispatch=self._dispatch, held=self._held,
             claimed=self._claimed)
         completer = self.completer = Completer(
-            self.queue, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
+            db, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
             on_written=self._written, fetcher=fetcher)
         heartbeat = self.heartbeat = Heartbeat(
-            self.queue, self.id, lease=self.lease, held=self._held,
+            db, self.id, lease=self.lease, held=self._held,
             running_tasks=lambda: [r.job.task for r in tuple(self._running.values())],
             on_lost=self._lease_lost, on_cut_off=self._cut_off)
-        self.pruner = Pruner(self.queue, interval=self.prune_interval)
-        self.vacuum = (HotTableVacuum(self.queue, interval=self.vacuum_interval)
+        self.pruner = Pruner(db, self.queue.retention, interval=self.prune_interval)
+        self.vacuum = (HotTableVacuum(db, interval=self.vacuum_interval)
                        if self.vacuum_interval is not None else None)
-        self.reaper = Reaper(self.queue, lease=self.lease, interval=self.reap_interval,
+        self.reaper = Reaper(db, lease=self.lease, interval=self.reap_interval,
                              hooks=self.queue.hooks)
         # The leader's row lasts one lease: a killed leader is replaced as its jobs are.
-        elector = self.elector = Elector(self.queue, self.id, ttl=self.lease,
+        elector = self.elector = Elector(db, self.id, ttl=self.lease,
                                          on_change=self._leader_changed)
         maintenance: list[Service] = [elector, self.reaper, self.pruner]
         if self.vacuum is not None:

@@ -19,12 +19,12 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import PoolTimeout
 
-from .errors import reason
-from .heldconn import HeldConnection
-from .job import Job
-from .queue import Queue
+from .._db.database import Database
+from .._db.heldconn import HeldConnection
+from ..errors import reason
+from ..job import Job
 
-log = logging.getLogger("asyncjobq.worker")
+log = logging.getLogger("asyncjobq.fetcher")
 ROLE = "fetch"
 
 
@@ -68,7 +68,7 @@ class Wakeup:
 class Fetcher:
     def __init__(
         self,
-        queue: Queue,
+        db: Database,
         worker_id: str,
         queues: Sequence[str],
         *,
@@ -80,7 +80,7 @@ class Fetcher:
         held: Callable[[], list[tuple[int, int]]] = list,
         claimed: Callable[[list[Job]], None] | None = None,
     ) -> None:
-        self._queue = queue
+        self._db = db
         self._worker_id = worker_id
         # Unique: a queue named twice would fill half of each claim with the same rows.
         self._queues = list(dict.fromkeys(queues))
@@ -102,7 +102,7 @@ class Fetcher:
         # Slots promised to a claim folded into a flush that is still in flight.
         self._reserved = 0
         # While run() loops, claims go through a connection of its own (see heldconn).
-        self._held = HeldConnection(self._queue, ROLE)
+        self._held = HeldConnection(self._db, ROLE)
 
     @property
     def single_queue(self) -> bool:
@@ -151,7 +151,7 @@ class Fetcher:
         return one_queue if self.single_queue else many_queues
 
     async def claim(self, limit: int) -> list[Job]:
-        st = self._queue.sql
+        st = self._db.sql
         query = self._statement(st.job_claim_one_queue, st.job_claim_many_queues)
         async with self._held.connection() as conn:
             cur = await conn.execute(query, self._claim_params(limit))
@@ -172,7 +172,7 @@ class Fetcher:
         if limit <= 0:
             return None
         self._reserved += limit
-        st = self._queue.sql
+        st = self._db.sql
         query = self._statement(st.job_set_outcome_if_running_many_then_claim_one_queue,
                                 st.job_set_outcome_if_running_many_then_claim_many_queues)
         return query, self._claim_params(limit), limit
@@ -224,11 +224,11 @@ class Fetcher:
         while self._reserved:
             await self.wakeup.wait(0.01)
         held = self._held_now()
-        st = self._queue.sql
+        st = self._db.sql
         async with self._held.connection() as conn:
             cur = await conn.execute(st.job_release_lost_claims, {
                 "worker": self._worker_id, "ids": [i for i, _ in held],
-                "attempts": [a for _, a in held], "channel": self._queue.channel})
+                "attempts": [a for _, a in held], "channel": self._db.channel})
             row = await cur.fetchone()
         self._suspect = False
         n = int(row[0]) if row else 0

@@ -8,7 +8,7 @@ import re
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 DSN_ENV = "ASYNCJOBQ_DSN"
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,47}$")

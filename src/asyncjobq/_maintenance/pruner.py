@@ -11,16 +11,14 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-from .errors import ConfigurationError
+from .._db.database import Database
+from ..errors import ConfigurationError
 from .services import Service
-
-if TYPE_CHECKING:
-    from .queue import Queue
 
 log = logging.getLogger("asyncjobq.pruner")
 
@@ -83,7 +81,7 @@ def _add(total: dict[str, int], rows: list[tuple[Any, ...]]) -> int:
     return n
 
 
-async def prune_history(queue: Queue, retention: Retention, *, batch: int = PRUNE_BATCH,
+async def prune_history(db: Database, retention: Retention, *, batch: int = PRUNE_BATCH,
                         max_batches: int | None = None, wait: bool = False) -> dict[str, int]:
     """Delete expired history in batches; returns {queue: rows deleted}.
 
@@ -93,12 +91,12 @@ async def prune_history(queue: Queue, retention: Retention, *, batch: int = PRUN
     total: dict[str, int] = {}
     if retention.min_age is None:
         return total
-    st = queue.sql
+    st = db.sql
     params = retention.params(batch)
     done = 0
-    async with queue.connection() as conn:
+    async with db.connection() as conn:
         while max_batches is None or done < max_batches:
-            with queue.translate_errors():
+            with db.translate_errors():
                 async with conn.transaction():
                     cur = await conn.execute(st.pruner_lock if wait else st.pruner_try_lock)
                     locked = await cur.fetchone()
@@ -113,15 +111,15 @@ async def prune_history(queue: Queue, retention: Retention, *, batch: int = PRUN
     return total
 
 
-async def prune_failed(queue: Queue, older_than: float, *, only_queue: str | None = None,
+async def prune_failed(db: Database, older_than: float, *, only_queue: str | None = None,
                        batch: int = PRUNE_BATCH) -> dict[str, int]:
     """Delete failed jobs that finished more than `older_than` seconds ago."""
     total: dict[str, int] = {}
     params = {"age": older_than, "queue": only_queue, "limit": batch}
-    async with queue.connection() as conn:
+    async with db.connection() as conn:
         while True:
-            with queue.translate_errors():
-                cur = await conn.execute(queue.sql.job_failed_delete_older, params)
+            with db.translate_errors():
+                cur = await conn.execute(db.sql.job_failed_delete_older, params)
                 n = _add(total, await cur.fetchall())
             if n < batch:
                 return total
@@ -134,13 +132,14 @@ class Pruner(Service):
     name = "pruner"
     leader_only = True
 
-    def __init__(self, queue: Queue, *, interval: float) -> None:
-        self._queue = queue
+    def __init__(self, db: Database, retention: Retention, *, interval: float) -> None:
+        self._db = db
+        self._retention = retention
         self.interval = interval
         self.pruned = 0
 
     async def turn(self) -> dict[str, int]:
-        deleted = await prune_history(self._queue, self._queue.retention,
+        deleted = await prune_history(self._db, self._retention,
                                       max_batches=MAX_BATCHES_PER_TURN)
         if deleted:
             self.pruned += sum(deleted.values())

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import EmbeddedUnavailableError
+from ..errors import EmbeddedUnavailableError
 
 HOME_ENV = "ASYNCJOBQ_HOME"
 _server: Any = None

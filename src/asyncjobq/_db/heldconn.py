@@ -3,7 +3,7 @@
 Taking a connection from the pool for every claim or flush cost the pool's bookkeeping and,
 while the pool's `check=` still sent a query on every checkout, a round trip before every
 statement (one default worker went from about 7,500 to 11,000 zero-work jobs/s when it
-stopped; the check now only polls the socket, see queue.check_idle_connection). A loop
+stopped; the check now only polls the socket, see database.check_idle_connection). A loop
 that runs statement after statement holds one connection instead, opened like the pool's
 (autocommit, application_name) but outside it, so handlers keep the whole pool. A connection
 that failed is closed; the next use opens another (the loops already back off on errors).
@@ -25,14 +25,14 @@ import anyio
 import psycopg
 from psycopg import AsyncConnection
 
-from .queue import Queue
+from .._db.database import Database
 
 
 class HeldConnection:
     """`async with held:` around the loop; inside it, `held.use()` gives the connection."""
 
-    def __init__(self, queue: Queue, role: str) -> None:
-        self._queue = queue
+    def __init__(self, db: Database, role: str) -> None:
+        self._db = db
         self._role = role
         self._conn: AsyncConnection[Any] | None = None
         self.active = False
@@ -47,7 +47,7 @@ class HeldConnection:
 
     def connection(self) -> AbstractAsyncContextManager[AsyncConnection[Any]]:
         """The held connection while the loop runs, else (direct calls, tests) a pooled one."""
-        return self.use() if self.active else self._queue.connection()
+        return self.use() if self.active else self._db.connection()
 
     @asynccontextmanager
     async def use(self) -> AsyncIterator[AsyncConnection[Any]]:
@@ -63,9 +63,9 @@ class HeldConnection:
             raise
 
     async def _connect(self) -> AsyncConnection[Any]:
-        q = self._queue
+        q = self._db
         conn = await AsyncConnection.connect(
-            q.dsn, autocommit=True, connect_timeout=max(1, int(q._connect_timeout)),
+            q.dsn, autocommit=True, connect_timeout=max(1, int(q.connect_timeout)),
             application_name=f"{q.application_name}-{self._role}")
         # Prepared from the first execution, not psycopg's fifth: every claim and flush of the
         # loop runs on the generic plan (direct calls outside the loop use the pool).

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from .services import Service
 
 if TYPE_CHECKING:
-    from .queue import Queue
+    from .._db.database import Database
 
 log = logging.getLogger("asyncjobq.leader")
 
@@ -30,9 +30,9 @@ class Elector(Service):
     name = "leader"
     eager = True
 
-    def __init__(self, queue: Queue, worker_id: str, *, ttl: float,
+    def __init__(self, db: Database, worker_id: str, *, ttl: float,
                  on_change: Callable[[str | None], Awaitable[None]] | None = None) -> None:
-        self._queue = queue
+        self._db = db
         self._worker_id = worker_id
         self.ttl = ttl
         self.interval = ttl / 3
@@ -50,8 +50,8 @@ class Elector(Service):
     async def turn(self) -> None:
         sent = time.monotonic()
         try:
-            async with self._queue.connection() as conn:
-                cur = await conn.execute(self._queue.sql.leader_elect,
+            async with self._db.connection() as conn:
+                cur = await conn.execute(self._db.sql.leader_elect,
                                          {"worker": self._worker_id, "ttl": self.ttl})
                 row = await cur.fetchone()
         except BaseException:
@@ -66,11 +66,11 @@ class Elector(Service):
             if not was:
                 self.terms += 1
                 log.info("worker %s is now the leader of schema %s", self._worker_id,
-                         self._queue.schema)
+                         self._db.schema)
         elif was:
             self._valid_until = 0.0
             log.warning("worker %s lost the leadership of schema %s to %s", self._worker_id,
-                        self._queue.schema, leader)
+                        self._db.schema, leader)
         await self._observe(leader, since)
 
     async def _observe(self, leader: str | None, since: datetime | None) -> None:
@@ -85,7 +85,7 @@ class Elector(Service):
         if not self.is_leader:
             return
         self._valid_until = 0.0
-        async with self._queue.connection() as conn:
-            await conn.execute(self._queue.sql.leader_resign, {"worker": self._worker_id})
+        async with self._db.connection() as conn:
+            await conn.execute(self._db.sql.leader_resign, {"worker": self._worker_id})
         log.info("worker %s resigned the leadership of schema %s", self._worker_id,
-                 self._queue.schema)
+                 self._db.schema)

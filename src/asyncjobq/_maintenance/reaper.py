@@ -13,13 +13,13 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from .errors import reason
-from .hooks import Hooks
+from .._db.database import Database
+from ..errors import reason
+from ..hooks import Hooks
 from .pruner import Pruner
-from .queue import Queue
 from .services import Service
 
-log = logging.getLogger("asyncjobq.worker")
+log = logging.getLogger("asyncjobq.reaper")
 
 REAP_BATCH = 1000
 
@@ -30,9 +30,9 @@ class Reaper(Service):
     name = "reaper"
     leader_only = True
 
-    def __init__(self, queue: Queue, *, lease: float, interval: float,
+    def __init__(self, db: Database, *, lease: float, interval: float,
                  pruner: Pruner | None = None, hooks: Hooks | None = None) -> None:
-        self._queue = queue
+        self._db = db
         self._lease = lease
         self.interval = interval
         self.pruner = pruner
@@ -65,9 +65,9 @@ class Reaper(Service):
 
     async def reap_ids(self) -> list[int]:
         """Requeue (or fail) stale jobs now; returns their ids."""
-        st = self._queue.sql
+        st = self._db.sql
         total: list[int] = []
-        async with self._queue.connection() as conn:
+        async with self._db.connection() as conn:
             while True:
                 async with conn.transaction():
                     cur = await conn.execute(st.reaper_try_lock)
@@ -80,7 +80,7 @@ class Reaper(Service):
                     rows = await cur.fetchall()
                     for queue in sorted({r[2] for r in rows if r[1] == "queued"}):
                         await conn.execute(
-                            st.queue_notify, {"channel": self._queue.channel, "queue": queue}
+                            st.queue_notify, {"channel": self._db.channel, "queue": queue}
                         )
                 for job_id, status, _queue, task, worker in rows:
                     log.warning("job %s (%s): lease expired (worker %s stopped heartbeating); "

@@ -18,11 +18,11 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from .errors import reason
-from .queue import Queue
+from .._db.database import Database
+from ..errors import reason
 from .services import Service
 
-log = logging.getLogger("asyncjobq.worker")
+log = logging.getLogger("asyncjobq.vacuum")
 
 # Vacuum when this many rows are dead, plus 5 % of the live ones (autovacuum: 500 + 1 %, but
 # only once a minute). A claim reads about one index page per ~200 dead entries it passes.
@@ -36,8 +36,8 @@ class HotTableVacuum(Service):
     name = "vacuum"
     leader_only = True
 
-    def __init__(self, queue: Queue, *, interval: float) -> None:
-        self._queue = queue
+    def __init__(self, db: Database, *, interval: float) -> None:
+        self._db = db
         self.interval = interval
         self.vacuums = 0
         self.disabled = False
@@ -53,8 +53,8 @@ class HotTableVacuum(Service):
 
     async def turn(self) -> bool:
         """Vacuum the jobs table if it needs it and no other worker is; True if it ran."""
-        st = self._queue.sql
-        async with self._queue.connection() as conn:
+        st = self._db.sql
+        async with self._db.connection() as conn:
             cur = await conn.execute(st.job_table_dead_tuples)
             row = await cur.fetchone()
             if row is None:
@@ -63,7 +63,7 @@ class HotTableVacuum(Service):
             if not may_vacuum:
                 log.info("this role does not own %s.jobs, so it cannot vacuum it: leaving that "
                          "to autovacuum (run workers as the owner for a faster claim)",
-                         self._queue.schema)
+                         self._db.schema)
                 self.disabled = True
                 return False
             if dead < MIN_DEAD + DEAD_FRACTION * live:
@@ -79,5 +79,5 @@ class HotTableVacuum(Service):
             finally:
                 await conn.execute(st.hot_vacuum_unlock)
         self.vacuums += 1
-        log.debug("vacuumed %s.jobs (%d dead rows)", self._queue.schema, dead)
+        log.debug("vacuumed %s.jobs (%d dead rows)", self._db.schema, dead)
         return True

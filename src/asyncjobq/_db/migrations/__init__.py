@@ -1,18 +1,19 @@
-"""Numbered migrations from sql/, applied in order under an advisory lock."""
+"""Numbered migrations, the .sql files beside this module (package data, shipped in the
+wheel), applied in order under an advisory lock."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
+from importlib.resources.abc import Traversable
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from .errors import SchemaNotInstalledError, SchemaVersionError
-from .sql import statements
+from ...errors import SchemaNotInstalledError, SchemaVersionError
+from ..sql import statements
 
 _NAME_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -24,17 +25,13 @@ class Migration:
     text: str
 
 
-def _sql_dir() -> Path:
-    # In a wheel, sql/ is packaged as asyncjobq/sql; in a source checkout it sits at the root.
-    packaged = Path(str(resources.files("asyncjobq"))) / "sql"
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parents[2] / "sql"
+def _sql_dir() -> Traversable:
+    return resources.files(__package__ or __name__)
 
 
 def available() -> list[Migration]:
     found = []
-    for path in sorted(_sql_dir().glob("*.sql")):
+    for path in sorted(_sql_dir().iterdir(), key=lambda p: p.name):
         m = _NAME_RE.match(path.name)
         if m:
             found.append(Migration(int(m.group(1)), m.group(2), path.read_text()))

@@ -16,10 +16,10 @@ import anyio
 import psycopg
 from psycopg import AsyncConnection, sql
 
-from .dsn import redact
-from .errors import reason
+from .._db.dsn import redact
+from ..errors import reason
 
-log = logging.getLogger("asyncjobq.worker")
+log = logging.getLogger("asyncjobq.listener")
 
 
 class Listener:

@@ -23,20 +23,20 @@ import psycopg
 from psycopg import AsyncConnection, sql
 from psycopg_pool import PoolTimeout
 
-from .errors import reason
+from .._db.database import Database, storable
+from .._db.heldconn import HeldConnection
+from ..errors import reason
 from .fetcher import Fetcher
-from .heldconn import HeldConnection
 from .outcome import Outcome
-from .queue import Queue, _storable
 
-log = logging.getLogger("asyncjobq.worker")
+log = logging.getLogger("asyncjobq.completer")
 ROLE = "complete"
 
 
 def _storable_error(error: str | None) -> str | None:
     """An error text PostgreSQL can store: a NUL or a lone surrogate in an exception's message
     would make the whole flush fail, every time it is retried."""
-    if error is None or _storable(error):
+    if error is None or storable(error):
         return error
     return error.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
@@ -44,7 +44,7 @@ def _storable_error(error: str | None) -> str | None:
 class Completer:
     def __init__(
         self,
-        queue: Queue,
+        db: Database,
         worker_id: str,
         *,
         max_batch: int,
@@ -53,7 +53,7 @@ class Completer:
         fetcher: Fetcher | None = None,
         lanes: int = 2,
     ) -> None:
-        self._queue = queue
+        self._db = db
         self._worker_id = worker_id
         self._max_batch = max(1, max_batch)
         self._flush_interval = flush_interval
@@ -69,7 +69,7 @@ class Completer:
         self._waiters = 0
         self.refused = 0
         # While run() loops, each lane flushes through a connection of its own (see heldconn).
-        self._lanes = [HeldConnection(self._queue, ROLE) for _ in range(max(1, lanes))]
+        self._lanes = [HeldConnection(self._db, ROLE) for _ in range(max(1, lanes))]
 
     def pending(self) -> list[tuple[int, int]]:
         """(id, attempt) of jobs whose outcome is not written yet: still running in the table,
@@ -179,7 +179,7 @@ class Completer:
         claim = self._fetcher.fold() if fold and self._fetcher is not None else None
         written = False
         try:
-            conn_cm = held.connection() if held is not None else self._queue.connection()
+            conn_cm = held.connection() if held is not None else self._db.connection()
             async with conn_cm as conn:
                 if claim is None:
                     accepted = await self._set_outcomes(conn, params)
@@ -195,14 +195,14 @@ class Completer:
             if o.job_id not in accepted:
                 self.refused += 1
                 log.warning(
-                    "job %s attempt %s: outcome %r refused, the job is no longer held by "
-                    "this worker (its lease expired and it was reaped); another attempt "
-                    "owns it now", o.job_id, o.attempt, o.kind)
+                    "job %s (%s) attempt %s: outcome %r refused, the job is no longer held "
+                    "by this worker (its lease expired and it was reaped); another attempt "
+                    "owns it now", o.job_id, o.task or "?", o.attempt, o.kind)
         self._on_written([o for o in batch if o.job_id in accepted])
 
     async def _set_outcomes(self, conn: AsyncConnection[Any], params: dict[str, object],
                             ) -> set[int]:
-        cur = await conn.execute(self._queue.sql.job_set_outcome_if_running_many, params)
+        cur = await conn.execute(self._db.sql.job_set_outcome_if_running_many, params)
         return {int(r[0]) for r in await cur.fetchall()}
 
     async def _set_outcomes_then_claim(

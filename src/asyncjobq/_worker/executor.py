@@ -8,11 +8,11 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from .errors import a_or_an
-from .hooks import Finished, Hooks, Middleware
-from .job import Fail, Job, Retry
+from ..errors import a_or_an
+from ..hooks import Finished, Hooks, Middleware
+from ..job import Fail, Job, Retry
+from ..task import Backoff, Task
 from .outcome import MAX_DELAY, Outcome, default_backoff
-from .task import Backoff, Task
 from .threads import ThreadRunner
 
 log = logging.getLogger("asyncjobq.executor")
@@ -62,12 +62,12 @@ def _failure(job: Job, task: Task | None, error: str) -> Outcome:
     """A failed attempt: retry with backoff while attempts remain, else dead-letter."""
     message = f"attempt {job.attempt}: {error}"
     if job.attempt >= job.max_attempts:
-        return Outcome(job.id, job.attempt, "failed", error=message)
+        return Outcome(job.id, job.attempt, task=job.task, kind="failed", error=message)
     if task is None or task.backoff is None:
         delay = default_backoff(job.attempt)
     else:
         delay = _custom_backoff(job, task.backoff)
-    return Outcome(job.id, job.attempt, "retry", delay=delay, error=message)
+    return Outcome(job.id, job.attempt, task=job.task, kind="retry", delay=delay, error=message)
 
 
 def _custom_backoff(job: Job, backoff: Backoff) -> float:
@@ -174,14 +174,14 @@ async def execute(
         names = ", ".join(repr(n) for n in sorted(registered)) or "none"
         log.warning("job %s: unknown task %r, failed without retrying; register it and run "
                     "retry-failed", job.id, job.task)
-        return Outcome(job.id, job.attempt, "failed", error=(
+        return Outcome(job.id, job.attempt, task=job.task, kind="failed", error=(
             f"attempt {job.attempt}: unknown task {job.task!r}: this worker's registered tasks "
             f"are {names}; register it with @queue.task(name={job.task!r}) and run "
             "retry-failed"))
     if not isinstance(job.payload, dict):
         log.warning("job %s (%s): payload is not a JSON object, failed without retrying",
                     job.id, job.task)
-        return Outcome(job.id, job.attempt, "failed", error=(
+        return Outcome(job.id, job.attempt, task=job.task, kind="failed", error=(
             f"attempt {job.attempt}: payload is {a_or_an(type(job.payload).__name__)}, not a "
             "JSON object; enqueue a dict"))
     timed_out = False
@@ -200,9 +200,9 @@ async def execute(
             return _raised(job, task, e)  # the handler's own TimeoutError
         timed_out = True
     except Retry as r:
-        return Outcome(job.id, job.attempt, "snooze", delay=r.delay)
+        return Outcome(job.id, job.attempt, task=job.task, kind="snooze", delay=r.delay)
     except Fail as f:
-        return Outcome(job.id, job.attempt, "failed",
+        return Outcome(job.id, job.attempt, task=job.task, kind="failed",
                        error=f"attempt {job.attempt}: Fail: {f.reason}")
     except asyncio.CancelledError:
         current = asyncio.current_task()
@@ -219,7 +219,7 @@ async def execute(
     if running.cancel_reason is not None:
         if running.cancel_reason == "lease lost":
             return None
-        return Outcome(job.id, job.attempt, "retry", delay=0.0, error=(
+        return Outcome(job.id, job.attempt, task=job.task, kind="retry", delay=0.0, error=(
             f"attempt {job.attempt}: interrupted by worker {running.cancel_reason}"))
     if timed_out:
         log.warning("job %s (%s) attempt %s timed out after %s s", job.id, job.task, job.attempt,
@@ -228,4 +228,4 @@ async def execute(
     if result is not None:
         log.debug("job %s (%s) returned %r; return values are ignored", job.id, job.task,
                   type(result).__name__)
-    return Outcome(job.id, job.attempt, "done")
+    return Outcome(job.id, job.attempt, task=job.task, kind="done")

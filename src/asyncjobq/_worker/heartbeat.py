@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import psycopg
 
-from .errors import reason
-from .queue import Queue
+from .._db.database import Database
+from ..errors import reason
 
 log = logging.getLogger("asyncjobq.heartbeat")
 
@@ -32,7 +32,7 @@ Held = list[tuple[int, int]]  # (job id, attempt)
 class Heartbeat:
     def __init__(
         self,
-        queue: Queue,
+        db: Database,
         worker_id: str,
         *,
         lease: float,
@@ -41,7 +41,7 @@ class Heartbeat:
         on_lost: Callable[[set[tuple[int, int]]], None],
         on_cut_off: Callable[[float], None] = lambda _: None,
     ) -> None:
-        self._queue = queue
+        self._db = db
         self._worker_id = worker_id
         self._lease = lease
         self.interval = lease / 3
@@ -139,12 +139,12 @@ class Heartbeat:
         # fleet reaps and reruns this worker's long jobs.
         bound = max(1.0, self.interval)
         conn = psycopg.connect(
-            self._queue.dsn, autocommit=True, connect_timeout=max(2, int(bound)),
-            application_name=f"{self._queue.application_name}-heartbeat",
+            self._db.dsn, autocommit=True, connect_timeout=max(2, int(bound)),
+            application_name=f"{self._db.application_name}-heartbeat",
             keepalives=1, keepalives_idle=max(1, int(bound)), keepalives_interval=1,
             keepalives_count=3, tcp_user_timeout=int(bound * 1000))
         try:
-            conn.execute(self._queue.sql.session_statement_timeout, (f"{int(bound * 1000)}ms",))
+            conn.execute(self._db.sql.session_statement_timeout, (f"{int(bound * 1000)}ms",))
         except BaseException:
             conn.close()
             raise
@@ -161,7 +161,7 @@ class Heartbeat:
         try:
             if conn is None or conn.closed:
                 conn = self._connect()
-            cur = conn.execute(self._queue.sql.job_heartbeat_many, {
+            cur = conn.execute(self._db.sql.job_heartbeat_many, {
                 "ids": [i for i, _ in held], "attempts": [a for _, a in held],
                 "worker": self._worker_id})
             kept = {(int(r[0]), int(r[1])) for r in cur.fetchall()}  # type: ignore[call-overload]

@@ -16,7 +16,7 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from .errors import reason
+from ..errors import reason
 
 log = logging.getLogger("asyncjobq.services")
 

@@ -1,0 +1,30 @@
+"""Every SQL statement asyncjobq runs, named for what it does (River's style), split by role.
+
+Statements are composed with psycopg.sql; the schema is always an Identifier and user data is
+always a bound parameter. `statements(schema)` builds the set once per schema. Each role has its
+module: enqueue.py (producers), claim.py (the worker's claim, completion and heartbeat),
+maintenance.py (reaper, leader, pruner, vacuum), admin.py (install, admin calls, doctor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from .admin import AdminStatements
+from .claim import WorkerStatements
+from .common import CLAIM_COLUMNS, HISTORY_COLUMNS, INFO_COLUMNS
+from .enqueue import EnqueueStatements
+from .maintenance import MaintenanceStatements
+
+__all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "Statements", "statements"]
+
+
+@dataclass(frozen=True)
+class Statements(EnqueueStatements, WorkerStatements, MaintenanceStatements, AdminStatements):
+    schema: str
+
+
+@cache
+def statements(schema: str) -> Statements:
+    return Statements(schema)

@@ -1,0 +1,203 @@
+"""Install and migrations, the admin calls (get, stats, health, retry, cancel) and doctor's
+read-only health checks."""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from .common import HISTORY_COLUMNS, INFO_COLUMNS, Role, _advisory_xact_lock, _q
+
+
+class AdminStatements(Role):
+    # --- install / migrations -------------------------------------------------------------
+
+    @property
+    def install_lock(self) -> sql.Composed:
+        return _advisory_xact_lock(f"asyncjobq.install.{self.schema}", wait=True)
+
+    @property
+    def schema_create(self) -> sql.Composed:
+        return _q("CREATE SCHEMA IF NOT EXISTS {s}", self.schema)
+
+    @property
+    def search_path_set_local(self) -> sql.Composed:
+        return _q("SET LOCAL search_path TO {s}", self.schema)
+
+    @property
+    def migrations_table_create(self) -> sql.Composed:
+        return _q(
+            "CREATE TABLE IF NOT EXISTS {s}.migrations ("
+            " version int PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())",
+            self.schema,
+        )
+
+    @property
+    def migration_versions(self) -> sql.Composed:
+        return _q("SELECT version FROM {s}.migrations ORDER BY version", self.schema)
+
+    @property
+    def migration_record(self) -> sql.Composed:
+        return _q("INSERT INTO {s}.migrations (version, name) VALUES (%s, %s)", self.schema)
+
+    # --- read / admin ----------------------------------------------------------------------
+
+    @property
+    def job_get_by_id(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT {c} FROM {s}.jobs WHERE id = %(id)s"
+            " UNION ALL SELECT {c} FROM {s}.jobs_history WHERE id = %(id)s LIMIT 1"
+        ).format(c=sql.SQL(INFO_COLUMNS), s=sql.Identifier(self.schema))
+
+    @property
+    def job_count_by_queue_status(self) -> sql.Composed:
+        return _q(
+            "SELECT queue, status::text, count(*) FROM {s}.jobs GROUP BY 1, 2"
+            " UNION ALL"
+            " SELECT queue, status::text, count(*) FROM {s}.jobs_history GROUP BY 1, 2",
+            self.schema,
+        )
+
+    @property
+    def queue_health(self) -> sql.Composed:
+        # For `status`: oldest due queued job, stale running rows, completions in the last minute.
+        return _q(
+            "SELECT q.queue,"
+            " (SELECT extract(epoch FROM now() - min(j.run_at)) FROM {s}.jobs j"
+            "   WHERE j.queue = q.queue AND j.status = 'queued' AND j.run_at <= now()),"
+            " (SELECT count(*) FROM {s}.jobs j WHERE j.queue = q.queue AND j.status = 'running'"
+            "   AND j.locked_at < now() - make_interval(secs => %s)),"
+            " (SELECT count(*) FROM {s}.jobs_history h WHERE h.queue = q.queue"
+            "   AND h.status = 'done' AND h.finished_at > now() - interval '1 minute')"
+            " FROM (SELECT DISTINCT queue FROM {s}.jobs"
+            "       UNION SELECT DISTINCT queue FROM {s}.jobs_history"
+            "       WHERE finished_at > now() - interval '1 minute') q",
+            self.schema,
+        )
+
+    @property
+    def job_retry_failed(self) -> sql.Composed:
+        # A failed job whose dedup_key is held by a live job stays failed: requeueing it would
+        # break the one-live-job-per-key rule.
+        return _q(
+            "WITH requeued AS ("
+            " UPDATE {s}.jobs j SET status = 'queued', attempts = 0, run_at = now(),"
+            "   finished_at = NULL"
+            " WHERE j.status = 'failed'"
+            "   AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)"
+            "   AND (%(task)s::text IS NULL OR j.task = %(task)s)"
+            "   AND (%(error_like)s::text IS NULL OR j.last_error LIKE %(error_like)s)"
+            "   AND (j.dedup_key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.jobs o"
+            "        WHERE o.dedup_key = j.dedup_key AND o.status IN ('queued', 'running')))"
+            " RETURNING j.queue)"
+            " SELECT (SELECT count(*) FROM requeued),"
+            " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
+            "   'queue', queue, 'run_at', extract(epoch FROM now()))::text)"
+            "   FROM (SELECT DISTINCT queue FROM requeued) d) n)",
+            self.schema,
+        )
+
+    @property
+    def job_cancel(self) -> sql.Composed:
+        return sql.SQL(
+            "WITH cancelled AS ("
+            " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *)"
+            " INSERT INTO {s}.jobs_history ({h})"
+            " SELECT id, queue, task, payload, 'cancelled', priority, run_at, attempts,"
+            "   max_attempts, dedup_key, locked_by, last_error, created_at, now()"
+            " FROM cancelled RETURNING id"
+        ).format(s=sql.Identifier(self.schema), h=sql.SQL(HISTORY_COLUMNS))
+
+    # --- doctor: read-only health checks ----------------------------------------------------
+
+    @property
+    def doctor_table_stats(self) -> sql.Composed:
+        # Tuple counts come from the statistics collector: estimates, flushed about once a second.
+        return sql.SQL(
+            "SELECT c.relname, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),"
+            "  pg_table_size(c.oid), pg_indexes_size(c.oid),"
+            "  s.last_vacuum, s.last_autovacuum, s.last_analyze, s.last_autoanalyze,"
+            "  coalesce(s.autovacuum_count, 0), coalesce(c.reloptions, '{{}}')"
+            " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid"
+            " WHERE n.nspname = {schema} AND c.relkind = 'r'"
+            "   AND c.relname IN ('jobs', 'jobs_history')"
+            " ORDER BY c.relname"
+        ).format(schema=sql.Literal(self.schema))
+
+    @property
+    def doctor_index_stats(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT t.relname, i.relname, ix.indisvalid, pg_relation_size(i.oid),"
+            "  coalesce(s.idx_scan, 0)"
+            " FROM pg_index ix"
+            " JOIN pg_class i ON i.oid = ix.indexrelid"
+            " JOIN pg_class t ON t.oid = ix.indrelid"
+            " JOIN pg_namespace n ON n.oid = t.relnamespace"
+            " LEFT JOIN pg_stat_user_indexes s ON s.indexrelid = i.oid"
+            " WHERE n.nspname = {schema} ORDER BY t.relname, i.relname"
+        ).format(schema=sql.Literal(self.schema))
+
+    @property
+    def doctor_xmin_holders(self) -> sql.SQL:
+        # Sessions whose snapshot or transaction id holds back the xmin horizon: while they are
+        # open, vacuum cannot remove any row deleted after they began, in any table.
+        return sql.SQL(
+            "SELECT pid, coalesce(usename, ''), coalesce(application_name, ''), state,"
+            "  extract(epoch FROM now() - xact_start),"
+            "  greatest(age(backend_xid), age(backend_xmin)), left(query, 200)"
+            " FROM pg_stat_activity"
+            " WHERE pid <> pg_backend_pid() AND datname = current_database()"
+            "   AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)"
+            "   AND xact_start < now() - make_interval(secs => %(age)s)"
+            " ORDER BY xact_start"
+        )
+
+    @property
+    def doctor_prepared_xacts(self) -> sql.SQL:
+        return sql.SQL(
+            "SELECT gid, extract(epoch FROM now() - prepared), age(transaction)"
+            " FROM pg_prepared_xacts WHERE database = current_database()"
+            "   AND prepared < now() - make_interval(secs => %(age)s)"
+        )
+
+    @property
+    def doctor_replication_slots(self) -> sql.SQL:
+        return sql.SQL(
+            "SELECT slot_name, active, greatest(age(xmin), age(catalog_xmin))"
+            " FROM pg_replication_slots WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL"
+        )
+
+    @property
+    def doctor_server(self) -> sql.SQL:
+        return sql.SQL(
+            "SELECT current_setting('server_version'), current_setting('autovacuum'),"
+            "  current_setting('track_counts'), pg_notification_queue_usage()"
+        )
+
+    @property
+    def job_count_stale_running(self) -> sql.Composed:
+        return _q(
+            "SELECT count(*), extract(epoch FROM now() - min(locked_at)) FROM {s}.jobs"
+            " WHERE status = 'running' AND locked_at < now() - make_interval(secs => %(lease)s)",
+            self.schema,
+        )
+
+    @property
+    def queue_list_queued(self) -> sql.Composed:
+        return _q("SELECT DISTINCT queue FROM {s}.jobs WHERE status = 'queued' ORDER BY 1",
+                  self.schema)
+
+    @property
+    def doctor_set_local_timeouts(self) -> sql.SQL:
+        return sql.SQL("SET LOCAL lock_timeout = '1s'; SET LOCAL statement_timeout = '10s'")
+
+    @property
+    def server_now(self) -> sql.SQL:
+        return sql.SQL("SELECT now()")
+
+    @property
+    def migrations_table_exists(self) -> sql.Composed:
+        return sql.SQL("SELECT to_regclass({}) IS NOT NULL").format(
+            sql.Literal(f'"{self.schema}".migrations')
+        )

@@ -1,0 +1,258 @@
+"""The worker's statements: claim, complete (and claim again), heartbeat, release; and the
+claim as `doctor` prepares and explains it, which must stay the statement workers run."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from psycopg import sql
+
+from .common import CLAIM_COLUMNS, Role, _q
+
+
+class WorkerStatements(Role):
+
+    def _job_claim_update(self, next_due: str) -> str:
+        # One statement: lock the next due rows (skipping rows other workers hold) and mark
+        # them running. FOR NO KEY UPDATE does not block foreign-key inserts into child tables.
+        # = ANY(ARRAY(...)), not IN (...): a generic plan knows neither the queue nor the limit
+        # and guesses that IN returns a tenth of the table, then hash-joins it against a
+        # sequential scan; an array's ids are looked up by primary key whatever its size.
+        return (
+            "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
+            "   locked_at = now(), attempts = attempts + 1"
+            f" WHERE id = ANY(ARRAY({next_due}))"
+            " RETURNING {c}"
+        )
+
+
+    @staticmethod
+    def _next_due_of_queue(queue: str) -> str:
+        # The next due rows of one queue, in claim order, a priority at a time: the recursive
+        # part steps down jobs_dequeue_idx from one priority to the next (one index descent
+        # each), and each priority's due rows are a range of the index, since run_at follows
+        # priority in it. One scan over all priorities with run_at <= now() as a filter
+        # walked every not-yet-due job of every priority it passed (15 ms a claim with
+        # 200,000 jobs delayed and none due). PostgreSQL evaluates the recursion only as far
+        # as the LIMIT pulls, so a claim that fills up in the first priority never descends
+        # further, and only rows it returns are locked. The rows come out in claim order by
+        # construction (priorities descending, a nested loop over them), not by a sort.
+        return (
+            "WITH RECURSIVE p AS ("
+            "  (SELECT priority FROM {s}.jobs"
+            f"   WHERE queue = {queue} AND status = 'queued'"
+            "   ORDER BY priority DESC LIMIT 1)"
+            "  UNION ALL"
+            "  SELECT (SELECT j.priority FROM {s}.jobs j"
+            f"   WHERE j.queue = {queue} AND j.status = 'queued' AND j.priority < p.priority"
+            "   ORDER BY j.priority DESC LIMIT 1)"
+            "  FROM p WHERE p.priority IS NOT NULL)"
+            " SELECT n.id, n.priority, n.run_at FROM p CROSS JOIN LATERAL ("
+            "  SELECT id, priority, run_at FROM {s}.jobs"
+            f"  WHERE queue = {queue} AND status = 'queued' AND priority = p.priority"
+            "    AND run_at <= now()"
+            "  ORDER BY run_at, id LIMIT %(limit)s"
+            "  FOR NO KEY UPDATE SKIP LOCKED) n"
+            " LIMIT %(limit)s"
+        )
+
+    @property
+    def _next_due_one_queue(self) -> str:
+        return "SELECT id FROM (" + self._next_due_of_queue("%(queue)s") + ") d"
+
+    # Several queues: each queue's next rows, then the first of those. One scan with
+    # queue = ANY(...) cannot read the index in claim order, so it sorted every due job of the
+    # queues on every claim (260 ms a claim with 1,000,000 queued). The price: each queue's
+    # next `limit` rows are locked, up to (queues - 1) x limit more than are claimed. They stay
+    # queued, and other workers' claims skip them until this statement commits; with a
+    # backlog those claims take the rows after them, but when a few jobs are all that is due,
+    # another worker can come back short and wait for its next wake-up, while this one claims
+    # the rest with its next batch.
+    @property
+    def _next_due_many_queues(self) -> str:
+        return (
+            "SELECT c.id FROM unnest(%(queues)s::text[]) AS q(name)"
+            " CROSS JOIN LATERAL (" + self._next_due_of_queue("q.name") + ") c"
+            " ORDER BY c.priority DESC, c.run_at, c.id LIMIT %(limit)s")
+
+    @cached_property
+    def job_claim_one_queue(self) -> sql.Composed:
+        return self._compose(self._job_claim_update(self._next_due_one_queue))
+
+    @cached_property
+    def job_claim_many_queues(self) -> sql.Composed:
+        return self._compose(self._job_claim_update(self._next_due_many_queues))
+
+    # Writing outcomes, one statement per flush for every outcome kind. Each row is fenced on
+    # (status, locked_by, attempts): a worker presumed dead cannot overwrite a newer attempt.
+    # `done` rows move to jobs_history; the rest are updated in place. The accepted ids come
+    # back from `archived` and `updated`; the caller logs the refused ones.
+    _OUTCOME_CTES = (
+        # One JSON parameter, [[id, attempt, kind, delay, error], ...]: one encoder call in
+        # the worker, where five arrays cost psycopg's per-element array dumping.
+        "o AS ("
+        "  SELECT (e->>0)::bigint AS id, (e->>1)::int AS attempt, e->>2 AS kind,"
+        "    (e->>3)::float8 AS delay, e->>4 AS error"
+        "  FROM jsonb_array_elements(%(outcomes)s::jsonb) AS e),"
+        # Lock the rows in id order first, as the heartbeat does: two statements that lock
+        # overlapping rows in different orders deadlock (seen in the soak benchmark). Rows are
+        # found by primary key (= ANY(ARRAY(...))): a join lets the planner walk every running
+        # row of the table once per outcome, which made a flush of 50 cost milliseconds.
+        " locked AS MATERIALIZED ("
+        "  SELECT j.id, j.attempts FROM {s}.jobs j"
+        "  WHERE j.id = ANY(ARRAY(SELECT id FROM o))"
+        "    AND j.status = 'running' AND j.locked_by = %(worker)s"
+        "  ORDER BY j.id FOR UPDATE OF j),"
+        " mine AS MATERIALIZED ("
+        "  SELECT o.* FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
+        " finished AS ("
+        "  DELETE FROM {s}.jobs j"
+        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind = 'done'))"
+        "    AND j.status = 'running' AND j.locked_by = %(worker)s"
+        "  RETURNING j.*),"
+        " archived AS ("
+        "  INSERT INTO {s}.jobs_history ({h})"
+        "  SELECT id, queue, task, payload, 'done', priority, run_at, attempts,"
+        "    max_attempts, dedup_key, locked_by, last_error, created_at, now()"
+        "  FROM finished RETURNING id),"
+        " updated AS ("
+        "  UPDATE {s}.jobs j SET"
+        "    status = CASE WHEN m.kind = 'failed' THEN 'failed'"
+        "                  ELSE 'queued' END::{s}.job_status,"
+        "    run_at = CASE WHEN m.kind = 'failed' THEN j.run_at"
+        "                  ELSE now() + make_interval(secs => m.delay) END,"
+        "    max_attempts = j.max_attempts + CASE WHEN m.kind = 'snooze' THEN 1 ELSE 0 END,"
+        "    last_error = CASE WHEN m.error IS NULL THEN j.last_error"
+        "                      ELSE right(concat_ws(E'\\n', j.last_error, m.error), 8000) END,"
+        "    finished_at = CASE WHEN m.kind = 'failed' THEN now() END,"
+        "    locked_by = NULL, locked_at = NULL"
+        "  FROM mine m"
+        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind <> 'done')) AND j.id = m.id"
+        "    AND j.status = 'running' AND j.locked_by = %(worker)s"
+        "  RETURNING j.id)"
+    )
+
+    @cached_property
+    def job_set_outcome_if_running_many(self) -> sql.Composed:
+        return self._compose(
+            "WITH " + self._OUTCOME_CTES
+            + " SELECT id FROM archived UNION ALL SELECT id FROM updated")
+
+    def _job_set_outcome_then_claim(self, next_due: str) -> sql.Composed:
+        # The flush and the next claim in one statement, one round trip and one commit: the
+        # article's loop pays two of each per batch. The claim's snapshot predates the
+        # outcomes, so a job retried here is claimable from the next statement on. Rows come
+        # back as (true, claim columns...) for claimed jobs, (false, id, NULL...) for accepted
+        # outcomes.
+        nulls = ", NULL" * CLAIM_COLUMNS.count(",")
+        return self._compose(
+            "WITH " + self._OUTCOME_CTES
+            + ", claimed AS (" + self._job_claim_update(next_due) + ")"
+            " SELECT true, {c} FROM claimed"
+            f" UNION ALL SELECT false, id{nulls} FROM archived"
+            f" UNION ALL SELECT false, id{nulls} FROM updated")
+
+    @cached_property
+    def job_set_outcome_if_running_many_then_claim_one_queue(self) -> sql.Composed:
+        return self._job_set_outcome_then_claim(self._next_due_one_queue)
+
+    @cached_property
+    def job_set_outcome_if_running_many_then_claim_many_queues(self) -> sql.Composed:
+        return self._job_set_outcome_then_claim(self._next_due_many_queues)
+
+    @property
+    def job_heartbeat_many(self) -> sql.Composed:
+        # Fenced on (id, attempts), as completions are: a job reaped and claimed again, even
+        # by this same worker, no longer extends the lease of the attempt that was reaped.
+        # Returns the (id, attempt) pairs still held; a missing pair's lease was lost. Rows are
+        # locked in id order, as the completion statement locks them (no deadlock).
+        return _q(
+            "WITH held AS MATERIALIZED ("
+            "  SELECT j.id FROM {s}.jobs j"
+            "  JOIN unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS h(id, attempt)"
+            "    ON h.id = j.id AND h.attempt = j.attempts"
+            "  WHERE j.id = ANY(%(ids)s) AND j.status = 'running' AND j.locked_by = %(worker)s"
+            "  ORDER BY j.id FOR NO KEY UPDATE OF j)"
+            " UPDATE {s}.jobs j SET locked_at = now() FROM held WHERE j.id = held.id"
+            " RETURNING j.id, j.attempts",
+            self.schema,
+        )
+
+    @property
+    def session_statement_timeout(self) -> sql.SQL:
+        return sql.SQL("SELECT set_config('statement_timeout', %s, false)")
+
+    @property
+    def job_release_lost_claims(self) -> sql.Composed:
+        # Rows this worker claimed but never received (the claim committed, its reply was lost
+        # with the connection): back to queued with the attempt uncounted, since no handler
+        # ran. Rows it does hold (running, or outcome not yet written) are named in the
+        # parameters and stay. Wakes the queues' workers, as the reaper does.
+        return _q(
+            "WITH released AS ("
+            " UPDATE {s}.jobs j SET status = 'queued', attempts = greatest(j.attempts - 1, 0),"
+            "   locked_by = NULL, locked_at = NULL"
+            " WHERE j.status = 'running' AND j.locked_by = %(worker)s"
+            "   AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(attempts)s::int[])"
+            "     AS h(id, attempt) WHERE h.id = j.id AND h.attempt = j.attempts)"
+            " RETURNING j.id, j.queue)"
+            " SELECT (SELECT count(*) FROM released),"
+            " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
+            "   'queue', queue, 'run_at', extract(epoch FROM now()))::text)"
+            "   FROM (SELECT DISTINCT queue FROM released) d) n)",
+            self.schema,
+        )
+
+    @staticmethod
+    def _worker_plan_settings(is_local: bool) -> sql.Composed:
+        # A generic plan is kept until the table's statistics change. Made while ANALYZE
+        # knew only a few rows, it looked claimed ids up by a sequential scan of the whole
+        # table (cheapest for one page), then kept doing so once a backlog arrived, until
+        # autovacuum analyzed again: 5 ms a claim at 100,000 jobs instead of 0.05 ms. Every
+        # statement of these connections finds its rows by an index, so none needs one.
+        # plan_cache_mode exists from PostgreSQL 12 on; older servers keep planning each time.
+        return sql.SQL(
+            "SELECT set_config('enable_seqscan', 'off', {local}),"
+            " CASE WHEN current_setting('server_version_num')::int >= 120000"
+            " THEN set_config('plan_cache_mode', 'force_generic_plan', {local}) END"
+        ).format(local=sql.Literal(is_local))
+
+    @property
+    def session_worker_plans(self) -> sql.Composed:
+        return self._worker_plan_settings(is_local=False)
+
+    # doctor: the claim plan workers run. Their connections plan generically
+    # (session_worker_plans), and EXPLAIN of the statement with its parameters bound shows a
+    # plan made for those values, which can read the table differently. The claim is PREPAREd
+    # with positional parameters and EXPLAINed as EXECUTE under force_generic_plan instead
+    # (EXPLAIN (GENERIC_PLAN) cannot ANALYZE, and needs PostgreSQL 16).
+    DOCTOR_CLAIM = "asyncjobq_doctor_claim"
+
+    @property
+    def doctor_worker_plans_local(self) -> sql.Composed:
+        return self._worker_plan_settings(is_local=True)
+
+    @property
+    def job_claim_one_queue_prepare(self) -> sql.Composed:
+        # The placeholders are this module's own, swapped in the template before composing.
+        template = self._job_claim_update(self._next_due_one_queue)
+        for placeholder, position in (("%(worker)s", "$1"), ("%(queue)s", "$2"),
+                                      ("%(limit)s", "$3")):
+            template = template.replace(placeholder, position)
+        return sql.SQL("PREPARE {} (text, text, bigint) AS ").format(
+            sql.Identifier(self.DOCTOR_CLAIM)) + self._compose(template)
+
+    def job_claim_one_queue_explain(self, worker: str, queue: str, limit: int) -> sql.Composed:
+        # Measured for real (ANALYZE); the caller runs it in a rolled-back transaction.
+        return sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}({}, {}, {})").format(
+            sql.Identifier(self.DOCTOR_CLAIM), sql.Literal(worker), sql.Literal(queue),
+            sql.Literal(limit))
+
+    @property
+    def doctor_claim_prepared(self) -> sql.Composed:
+        return sql.SQL("SELECT 1 FROM pg_prepared_statements WHERE name = {}").format(
+            sql.Literal(self.DOCTOR_CLAIM))
+
+    @property
+    def job_claim_one_queue_deallocate(self) -> sql.Composed:
+        return sql.SQL("DEALLOCATE {}").format(sql.Identifier(self.DOCTOR_CLAIM))

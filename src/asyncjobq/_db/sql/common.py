@@ -1,0 +1,39 @@
+"""What every role's statements share: column lists and composing helpers."""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+# Columns returned to the worker by a claim, in this order (see fetcher.ClaimedJob).
+CLAIM_COLUMNS = "id, task, queue, payload, priority, attempts, max_attempts, run_at, created_at"
+# Columns of JobInfo, in this order.
+INFO_COLUMNS = (
+    "id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "
+    "created_at, finished_at, payload"
+)
+# Columns shared by jobs and jobs_history, for moving a finished row.
+HISTORY_COLUMNS = (
+    "id, queue, task, payload, status, priority, run_at, attempts, max_attempts, "
+    "dedup_key, locked_by, last_error, created_at, finished_at"
+)
+
+
+def _q(template: str, schema: str) -> sql.Composed:
+    """Fill `{s}` with the schema identifier; everything else in the template is literal SQL."""
+    return sql.SQL(template).format(s=sql.Identifier(schema))
+
+
+def _advisory_xact_lock(key: str, *, wait: bool) -> sql.Composed:
+    # Transaction-scoped, so a crashed holder can never leave it taken.
+    fn = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
+    return sql.SQL("SELECT {}(hashtext({}))").format(sql.SQL(fn), sql.Literal(key))
+
+
+class Role:
+    """Statements of one role; Statements (this package) puts the roles together."""
+
+    schema: str
+
+    def _compose(self, template: str) -> sql.Composed:
+        return sql.SQL(template).format(s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS),
+                                        h=sql.SQL(HISTORY_COLUMNS))

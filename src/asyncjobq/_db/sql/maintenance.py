@@ -1,0 +1,156 @@
+"""Maintenance: the reaper, the leader, the pruner and the hot-table vacuum."""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from .common import Role, _advisory_xact_lock, _q
+
+
+class MaintenanceStatements(Role):
+    @property
+    def queue_notify(self) -> sql.SQL:
+        # Wake workers of a queue explicitly (requeued by the reaper, not by an INSERT).
+        return sql.SQL(
+            "SELECT pg_notify(%(channel)s, json_build_object("
+            "'queue', %(queue)s::text, 'run_at', extract(epoch FROM now()))::text)"
+        )
+
+    @property
+    def reaper_try_lock(self) -> sql.Composed:
+        return _advisory_xact_lock(f"asyncjobq.reaper.{self.schema}", wait=False)
+
+    @property
+    def job_reap_stuck(self) -> sql.Composed:
+        # Running rows whose holder stopped heartbeating for longer than the lease: requeue,
+        # or fail once the attempts are spent (a job that keeps killing workers is a poison pill).
+        return _q(
+            "WITH stuck AS ("
+            " SELECT id, locked_by FROM {s}.jobs WHERE status = 'running'"
+            "   AND locked_at < now() - make_interval(secs => %(lease)s)"
+            " ORDER BY locked_at LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED)"
+            " UPDATE {s}.jobs j SET"
+            "   status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed'"
+            "                 ELSE 'queued' END::{s}.job_status,"
+            "   finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,"
+            "   run_at = now(),"
+            "   last_error = right(concat_ws(E'\\n', j.last_error,"
+            "     format('attempt %%s: lease expired, worker %%s stopped heartbeating at %%s',"
+            "            j.attempts, j.locked_by, j.locked_at)), 8000),"
+            "   locked_by = NULL, locked_at = NULL"
+            " FROM stuck WHERE j.id = stuck.id"
+            " RETURNING j.id, j.status::text, j.queue, j.task, stuck.locked_by",
+            self.schema,
+        )
+
+    # --- maintenance: leadership ------------------------------------------------------------
+
+    @property
+    def leader_elect(self) -> sql.Composed:
+        # Take the row when it is free or expired, renew it when it is ours; either way the
+        # current leader comes back. Expiry is judged by the server's clock alone.
+        return _q(
+            "WITH attempt AS ("
+            " INSERT INTO {s}.leader AS l (name, worker, elected_at, expires_at)"
+            " VALUES ('default', %(worker)s, now(), now() + make_interval(secs => %(ttl)s))"
+            " ON CONFLICT (name) DO UPDATE SET worker = excluded.worker,"
+            "   elected_at = CASE WHEN l.worker = excluded.worker THEN l.elected_at"
+            "                     ELSE now() END,"
+            "   expires_at = excluded.expires_at"
+            " WHERE l.worker = excluded.worker OR l.expires_at < now()"
+            " RETURNING worker, elected_at)"
+            " SELECT worker, elected_at FROM attempt"
+            " UNION ALL SELECT worker, elected_at FROM {s}.leader"
+            "   WHERE name = 'default' AND NOT EXISTS (SELECT FROM attempt)"
+            " LIMIT 1",
+            self.schema,
+        )
+
+    @property
+    def leader_resign(self) -> sql.Composed:
+        return _q("DELETE FROM {s}.leader WHERE worker = %(worker)s", self.schema)
+
+    @property
+    def leader_get(self) -> sql.Composed:
+        return _q(
+            "SELECT worker, elected_at, expires_at FROM {s}.leader"
+            " WHERE name = 'default' AND expires_at > now()",
+            self.schema,
+        )
+
+    # --- maintenance: pruning ----------------------------------------------------------------
+
+    @property
+    def pruner_try_lock(self) -> sql.Composed:
+        return _advisory_xact_lock(f"asyncjobq.prune.{self.schema}", wait=False)
+
+    @property
+    def pruner_lock(self) -> sql.Composed:
+        return _advisory_xact_lock(f"asyncjobq.prune.{self.schema}", wait=True)
+
+    @property
+    def job_history_delete_expired(self) -> sql.Composed:
+        # One bounded batch. Per-queue ages come as parallel arrays; queues not listed use
+        # %(default_age)s; a NULL age keeps that queue's history forever. The first finished_at
+        # bound (the smallest age of all) lets the BRIN index skip the recent part of history.
+        return _q(
+            "WITH r AS ("
+            "  SELECT * FROM unnest(%(queues)s::text[], %(ages)s::float8[]) AS r(queue, age)),"
+            " doomed AS ("
+            "  SELECT h.id FROM {s}.jobs_history h LEFT JOIN r ON r.queue = h.queue"
+            "  WHERE h.finished_at < now() - make_interval(secs => %(min_age)s)"
+            "    AND h.finished_at < now() - make_interval(secs =>"
+            "      CASE WHEN r.queue IS NULL THEN %(default_age)s ELSE r.age END)"
+            "  LIMIT %(limit)s),"
+            " deleted AS ("
+            "  DELETE FROM {s}.jobs_history h USING doomed WHERE h.id = doomed.id"
+            "  RETURNING h.queue)"
+            " SELECT queue, count(*) FROM deleted GROUP BY queue",
+            self.schema,
+        )
+
+    @property
+    def job_failed_delete_older(self) -> sql.Composed:
+        # Dead-lettered jobs are only deleted on purpose (`prune --failed`), in bounded batches.
+        return _q(
+            "WITH doomed AS ("
+            "  SELECT id FROM {s}.jobs WHERE status = 'failed'"
+            "    AND finished_at < now() - make_interval(secs => %(age)s)"
+            "    AND (%(queue)s::text IS NULL OR queue = %(queue)s)"
+            "  LIMIT %(limit)s FOR UPDATE SKIP LOCKED),"
+            " deleted AS ("
+            "  DELETE FROM {s}.jobs j USING doomed WHERE j.id = doomed.id RETURNING j.queue)"
+            " SELECT queue, count(*) FROM deleted GROUP BY queue",
+            self.schema,
+        )
+
+    # --- maintenance: vacuum of the hot table ---------------------------------------------------
+
+    @property
+    def hot_vacuum_try_lock(self) -> sql.Composed:
+        # Session-scoped (VACUUM cannot run in a transaction); released by hot_vacuum_unlock.
+        return sql.SQL("SELECT pg_try_advisory_lock(hashtext({}))").format(
+            sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
+
+    @property
+    def hot_vacuum_unlock(self) -> sql.Composed:
+        return sql.SQL("SELECT pg_advisory_unlock(hashtext({}))").format(
+            sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
+
+    @property
+    def job_table_dead_tuples(self) -> sql.Composed:
+        # Only the owner (or a superuser) may vacuum: say so rather than try and be refused.
+        return sql.SQL(
+            "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),"
+            "  extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum)),"
+            "  pg_has_role(c.relowner, 'USAGE')"
+            " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid"
+            " WHERE c.oid = to_regclass({})"
+        ).format(sql.Literal(f'"{self.schema}".jobs'))
+
+    @property
+    def job_table_vacuum(self) -> sql.Composed:
+        # SKIP_LOCKED: if autovacuum (or another worker) is at it, skip rather than queue.
+        # INDEX_CLEANUP ON: PostgreSQL skips the indexes when few heap pages have dead rows,
+        # but the claim index's dead entries are exactly what this vacuum is for.
+        return _q("VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) {s}.jobs", self.schema)
