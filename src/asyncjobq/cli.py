@@ -40,6 +40,13 @@ def _fail(message: str, code: int = 1) -> None:
 def _guard(fn: F) -> F:
     """Our errors and database errors become one line and exit 1, never a traceback."""
 
+    def one_line(e: BaseException) -> str | None:
+        if isinstance(e, AsyncJobQError):
+            return str(e)
+        if isinstance(e, psycopg.Error):
+            return f"database error: {reason(e)}"
+        return None
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -50,6 +57,23 @@ def _guard(fn: F) -> F:
             _fail(f"database error: {reason(e)}")
         except KeyboardInterrupt:
             _fail("interrupted", 130)
+        except BaseExceptionGroup as group:
+            # The worker's task groups (anyio) wrap what ended them. Our errors and database
+            # errors still get one line each; anything else is a bug and keeps its traceback.
+            leaves: list[BaseException] = []
+            pending: list[BaseException] = [group]
+            while pending:
+                error = pending.pop(0)
+                if isinstance(error, BaseExceptionGroup):
+                    pending[:0] = error.exceptions
+                else:
+                    leaves.append(error)
+            if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+                _fail("interrupted", 130)
+            lines = [one_line(leaf) for leaf in leaves]
+            if any(line is None for line in lines):
+                raise
+            _fail("; ".join(dict.fromkeys(line for line in lines if line is not None)))
 
     return wrapper  # type: ignore[return-value]
 

@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import logging
 
-import anyio
-import psycopg
-from psycopg_pool import PoolTimeout
-
 from .._db.database import Database
-from ..errors import reason
 from ..hooks import Hooks
 from .pruner import Pruner
 from .services import Service
@@ -44,20 +39,6 @@ class Reaper(Service):
         if ids and self._hooks is not None and self._hooks.on_reaped:
             await self._hooks.emit("on_reaped", job_ids=ids)
         return ids
-
-    async def run(self) -> None:
-        next_prune = anyio.current_time()
-        while True:
-            await anyio.sleep(self.interval)
-            try:
-                await self.reap()
-                if self.pruner is not None and anyio.current_time() >= next_prune:
-                    next_prune = anyio.current_time() + self.pruner.interval
-                    await self.pruner.turn()
-            except (psycopg.OperationalError, PoolTimeout) as e:
-                log.warning("maintenance turn failed (%s); trying again in %.0f s",
-                            reason(e),
-                            self.interval)
 
     async def reap(self) -> int:
         """Requeue (or fail) stale jobs now; returns how many."""

@@ -16,6 +16,7 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from .._db import retrying
 from ..errors import reason
 
 log = logging.getLogger("asyncjobq.services")
@@ -72,10 +73,11 @@ class ServiceRunner:
         n = self.failures[service.name] = self.failures.get(service.name, 0) + 1
         delay = max(service.interval,
                     min(service.max_backoff, service.interval * 2.0 ** min(n, 6)))
-        kind = type(e).__name__
+        kind = retrying.kind(e)
         # Once per kind of error until a turn succeeds: an outage must not flood the log.
         level = logging.DEBUG if kind in seen else logging.WARNING
         seen.add(kind)
-        log.log(level, "%s turn failed (%s); trying again in %.1f s", service.name, reason(e),
-                delay, exc_info=traceback)
+        advice = "" if traceback else f": {retrying.advice(e)}"
+        log.log(level, "%s turn failed (%s)%s; trying again in %.1f s", service.name, reason(e),
+                advice, delay, exc_info=traceback)
         return delay

@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import logging
 
-import anyio
-import psycopg
-from psycopg_pool import PoolTimeout
-
 from .._db.database import Database
-from ..errors import reason
 from .services import Service
 
 log = logging.getLogger("asyncjobq.vacuum")
@@ -41,15 +36,6 @@ class HotTableVacuum(Service):
         self.interval = interval
         self.vacuums = 0
         self.disabled = False
-
-    async def run(self) -> None:
-        while not self.disabled:
-            await anyio.sleep(self.interval)
-            try:
-                await self.turn()
-            except (psycopg.OperationalError, PoolTimeout) as e:
-                log.warning("vacuum of the jobs table failed (%s); trying again in %.0f s",
-                            reason(e), self.interval)
 
     async def turn(self) -> bool:
         """Vacuum the jobs table if it needs it and no other worker is; True if it ran."""

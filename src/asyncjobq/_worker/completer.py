@@ -19,13 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import psycopg
 from psycopg import AsyncConnection, sql
-from psycopg_pool import PoolTimeout
 
 from .._db.database import Database, storable
 from .._db.heldconn import HeldConnection
-from ..errors import reason
+from .._db.retrying import RETRYABLE, Retry
 from .fetcher import Fetcher
 from .outcome import Outcome
 
@@ -68,6 +66,9 @@ class Completer:
         self._changed = anyio.Event()
         self._waiters = 0
         self.refused = 0
+        # Kinds of database error the lanes have logged since their last write: one warning
+        # per kind for all lanes.
+        self._errors_seen: set[str] = set()
         # While run() loops, each lane flushes through a connection of its own (see heldconn).
         self._lanes = [HeldConnection(self._db, ROLE) for _ in range(max(1, lanes))]
 
@@ -137,17 +138,17 @@ class Completer:
 
     async def _lane(self, held: HeldConnection) -> None:
         async with held:
-            backoff = 0.05
+            retry = Retry(log, "writing outcomes", first=0.05, seen=self._errors_seen)
             while True:
                 batch = await self._next_batch()
                 try:
                     await self._write(held, batch, fold=True)
-                    backoff = 0.05
-                except (psycopg.OperationalError, PoolTimeout) as e:
-                    log.warning("writing %d outcome(s) failed (%s); retrying in %.1f s",
-                                len(batch), reason(e), backoff)
-                    await anyio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    retry.succeeded()
+                except RETRYABLE as e:
+                    # Any database error (a read-only server, a revoked privilege, a
+                    # statement_timeout, an error of the folded claim): _write() put the batch
+                    # back, and it is written when the database takes it again.
+                    await anyio.sleep(retry.failed(e, f"writing {len(batch)} outcome(s)"))
 
     async def _next_batch(self) -> list[Outcome]:
         while True:
@@ -226,6 +227,7 @@ class Completer:
     async def drain(self, timeout: float) -> bool:
         """Shutdown: flush until nothing is buffered or in flight, or `timeout` passes; True
         when everything was written."""
+        retry = Retry(log, "final flush", first=0.2, most=1.0, seen=self._errors_seen)
         with anyio.move_on_after(timeout):
             while self._buffer or self._inflight:
                 if not self._buffer:
@@ -233,9 +235,9 @@ class Completer:
                     continue
                 try:
                     await self.flush()
-                except (psycopg.OperationalError, PoolTimeout) as e:
-                    log.warning("final flush failed (%s); retrying", reason(e))
-                    await anyio.sleep(0.2)
+                    retry.succeeded()
+                except RETRYABLE as e:
+                    await anyio.sleep(retry.failed(e))
         left = self.backlog
         if left:
             log.error("%d outcome(s) not written at shutdown; those jobs will be reaped after "

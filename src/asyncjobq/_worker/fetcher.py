@@ -21,6 +21,7 @@ from psycopg_pool import PoolTimeout
 
 from .._db.database import Database
 from .._db.heldconn import HeldConnection
+from .._db.retrying import RETRYABLE, Retry
 from ..errors import reason
 from ..job import Job
 
@@ -253,7 +254,7 @@ class Fetcher:
             await self._run()
 
     async def _run(self) -> None:
-        backoff = 0.1
+        retry = Retry(log, "claiming jobs")
         while not self.stopping:
             free = self._free()
             if free <= 0:
@@ -263,13 +264,15 @@ class Fetcher:
             limit = min(self._batch_size, free)
             try:
                 jobs = await self._claim_reserving(limit)
-                backoff = 0.1
-            except (psycopg.OperationalError, PoolTimeout) as e:
-                log.warning("claiming jobs failed (%s); retrying in %.1f s",
-                            reason(e),
-                            backoff)
-                await self.wakeup.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                retry.succeeded()
+            except RETRYABLE as e:
+                # Any database error, not only a lost connection (a read-only server after a
+                # failover, a revoked privilege, a statement_timeout): wait and claim again.
+                # Only stop() cuts the wait short: notifications and failed folded claims
+                # would otherwise retry at their pace, not the backoff's.
+                until = time.monotonic() + retry.failed(e)
+                while not self.stopping and time.monotonic() < until:
+                    await self.wakeup.wait(until - time.monotonic())
                 continue
             # Even when stop() came during the claim, these jobs are ours now: dispatch them so
             # that shutdown finishes or releases them like any other.

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Callable
 
 import anyio
-import psycopg
 from psycopg import AsyncConnection, sql
 
 from .._db.dsn import redact
-from ..errors import reason
+from .._db.retrying import RETRYABLE, Retry
 
 log = logging.getLogger("asyncjobq.listener")
+RETRY_ON: tuple[type[Exception], ...] = (*RETRYABLE, OSError)
 
 
 class Listener:
@@ -42,20 +41,18 @@ class Listener:
         self.connected = anyio.Event()
         self.connects = 0
         self.backend_pid: int | None = None
+        self._retry = Retry(log, f"LISTEN connection to {redact(dsn)}")
 
     async def run(self) -> None:
-        backoff = 0.1
+        retry = self._retry
         while True:
             try:
                 await self._listen()
-            except (psycopg.OperationalError, psycopg.InterfaceError, OSError) as e:
+            except RETRY_ON as e:
+                # Any database error too: a standby refuses LISTEN ("cannot execute LISTEN
+                # during recovery") until it is promoted.
                 self.backend_pid = None
-                log.warning("LISTEN connection to %s lost (%s); reconnecting in %.1f s",
-                            redact(self._dsn), reason(e), backoff)
-                await anyio.sleep(backoff * random.uniform(0.8, 1.2))
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.1
+                await anyio.sleep(retry.failed(e))
 
     async def _listen(self) -> None:
         conn = await AsyncConnection.connect(self._dsn, autocommit=True, connect_timeout=10,
@@ -67,6 +64,7 @@ class Listener:
             if self.connects > 1:
                 log.info("LISTEN connection re-established")
             self.connected.set()
+            self._retry.succeeded()
             self._on_connect()
             while True:
                 async for n in conn.notifies(timeout=self._keepalive):
