@@ -23,6 +23,18 @@ class DatabaseUnavailableError(AsyncJobQError):
     """PostgreSQL could not be reached with the DSN in use."""
 
 
+class EnqueueConnectionError(DatabaseUnavailableError):
+    """An enqueue failed because its connection to PostgreSQL did (README: Producers during
+    an outage). `may_have_been_written` is False when the job cannot exist (no connection
+    was had in time, or the transaction holding it was lost with the connection) and True
+    when the INSERT had been sent: the server may have committed it before the reply was
+    lost, so enqueueing again may duplicate it unless a dedup_key is given."""
+
+    def __init__(self, message: str, *, may_have_been_written: bool) -> None:
+        super().__init__(message)
+        self.may_have_been_written = may_have_been_written
+
+
 class SchemaNotInstalledError(AsyncJobQError):
     """The queue schema does not exist yet."""
 

@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 from ._db import migrations
 from ._db.database import NOT_OPEN, Conn, Database, storable
 from ._db.dsn import validate_schema
-from ._db.inserter import Inserter
+from ._db.inserter import Inserter, write
 from ._db.sql import Statements
 from ._maintenance.pruner import (
     DEFAULT_RETENTION,
@@ -49,7 +49,8 @@ class Queue:
         pool_min_size: connections the pool keeps open.
         pool_max_size: connections the pool may open (handlers' `queue.connection()` included;
             a worker also holds a few of its own: listen, heartbeat, fetch, complete).
-        connect_timeout: seconds to wait for the server when opening.
+        connect_timeout: seconds to wait for the server when opening, and in an enqueue
+            while it is down (README: Producers during an outage).
         application_name: shown in pg_stat_activity; the worker's connections append a suffix.
         retention: how long done and cancelled jobs stay in history (a timedelta or seconds;
             None keeps them forever).
@@ -233,7 +234,7 @@ class Queue:
 
     async def install(self) -> list[int]:
         """Apply the sql/ migrations not yet applied; returns their versions. Idempotent."""
-        async with self.pool.connection() as conn:
+        async with self._db.connection() as conn:  # checked, as every checkout (database.py)
             try:
                 return await migrations.apply(conn, self.schema)
             except psycopg.errors.InsufficientPrivilege as e:
@@ -281,16 +282,18 @@ class Queue:
             return job_id
         params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
                   "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key}
-        async with self._conn(conn) as c:
-            for _ in range(10):
-                cur = await c.execute(self.sql.job_insert, params)
-                row = await cur.fetchone()
-                if row is not None:
-                    if self.hooks.on_enqueued:
-                        await self.hooks.emit("on_enqueued", job_ids=[int(row[0])], task=name,
-                                              queue=q)
-                    return int(row[0])
-                # The duplicate committed after our snapshot, or finished meanwhile: look again.
+        advice = _RESEND_DEDUP if dedup_key is not None else _USE_DEDUP
+        for _ in range(10):
+            # With a dedup_key, sending the INSERT again after a lost reply is safe: it
+            # returns the job the first one wrote, if it did.
+            rows = await write(self._db, conn, self.sql.job_insert, params, what="the job",
+                               resend=dedup_key is not None, advice=advice)
+            if rows:
+                job_id = int(rows[0][0])
+                if self.hooks.on_enqueued:
+                    await self.hooks.emit("on_enqueued", job_ids=[job_id], task=name, queue=q)
+                return job_id
+            # The duplicate committed after our snapshot, or finished meanwhile: look again.
         raise AsyncJobQError(f"enqueue with dedup_key={dedup_key!r} kept racing with other "
                              "writers of that key: try again")
 
@@ -300,9 +303,11 @@ class Queue:
         return self._inserter
 
     async def _write_rows(self, rows: list[str]) -> list[int]:
-        async with self._conn(None) as c:
-            cur = await c.execute(self.sql.job_insert_rows, ("[" + ",".join(rows) + "]",))
-            return [int(r[0]) for r in await cur.fetchall()]
+        # Each caller of the batch enqueued one job: the error speaks to each of them.
+        result = await write(self._db, None, self.sql.job_insert_rows,
+                             ("[" + ",".join(rows) + "]",), what="the job", resend=False,
+                             advice=_USE_DEDUP)
+        return [int(r[0]) for r in result]
 
     async def enqueue_many(
         self,
@@ -327,11 +332,12 @@ class Queue:
         if array == "[]":
             return []
         when, secs = _schedule(run_at, delay)
-        async with self._conn(conn) as c:
-            cur = await c.execute(
-                self.sql.job_insert_many, (name, q, prio, when, secs, attempts, array)
-            )
-            ids = [int(r[0]) for r in await cur.fetchall()]
+        n = len(payloads)
+        rows = await write(self._db, conn, self.sql.job_insert_many,
+                           (name, q, prio, when, secs, attempts, array),
+                           what="the job" if n == 1 else f"the {n} jobs (all or none of them)",
+                           resend=False, advice=_MANY_UNSURE)
+        ids = [int(r[0]) for r in rows]
         if self.hooks.on_enqueued:
             await self.hooks.emit("on_enqueued", job_ids=ids, task=name, queue=q)
         return ids
@@ -453,6 +459,15 @@ class Queue:
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_cancel, (job_id,))
             return await cur.fetchone() is not None
+
+
+# What to do when an enqueue's job may or may not have been written (inserter.write).
+_USE_DEDUP = ("enqueueing it again may create it twice: pass a dedup_key to make that safe "
+              "(enqueue then sends it again by itself)")
+_RESEND_DEDUP = ("enqueue it again with the same dedup_key: that returns the existing job's id "
+                 "while it is queued or running")
+_MANY_UNSURE = ("enqueueing them again may create them twice: look for them first, or enqueue "
+                "each with a dedup_key")
 
 
 def _encode_payload(payload: object, index: int | None = None) -> str:

@@ -8,6 +8,7 @@ database through a Database, handed to it by Queue or Worker, never through the 
 from __future__ import annotations
 
 import select
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -16,6 +17,7 @@ import psycopg
 import psycopg.errors
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool.base import AttemptWithBackoff
 
 from ..errors import (
     ConfigurationError,
@@ -29,6 +31,37 @@ from .sql import Statements, statements
 
 Conn = AsyncConnection[Any]
 NOT_OPEN = "the queue is not open: use `async with queue:` or `await queue.open()` first"
+# Longest wait between two attempts to replace a lost pooled connection: enqueues resume at
+# most this long after the server is back.
+RECONNECT_INTERVAL = 0.5
+# How long a checkout waits for a pooled connection (psycopg_pool's default).
+POOL_TIMEOUT = 30.0
+
+
+class _Reconnect(AttemptWithBackoff):
+    """psycopg_pool's reconnection schedule, every RECONNECT_INTERVAL (+-10 %) instead of
+    doubling from 1 s without a cap (attempts at +0, +1, +3, +7, +15 s...: after an outage of
+    T seconds, the pool's next attempt could come T seconds after the server was back)."""
+
+    INITIAL_DELAY = RECONNECT_INTERVAL
+    DELAY_BACKOFF = 1.0
+
+
+class _Pool(AsyncConnectionPool[Conn]):
+    """The pool, reconnecting on _Reconnect's schedule.
+
+    psycopg_pool has no parameter for how often it retries, only for how long
+    (reconnect_timeout, which also ends the retries of a pool slot for good), so the one
+    hook is the private method that makes a new attempt; its signature is the same from
+    psycopg-pool 3.2.1 to 3.3. A slot still gives up after reconnect_timeout (5 min), as
+    before; a client's checkout then starts a new attempt.
+    """
+
+    async def _add_connection(self, attempt: AttemptWithBackoff | None,
+                              growing: bool = False) -> None:
+        if attempt is None:
+            attempt = _Reconnect(timeout=self.reconnect_timeout)
+        await super()._add_connection(attempt, growing=growing)
 
 
 class Database:
@@ -88,15 +121,18 @@ class Database:
                 "the server is running and the DSN is right (--dsn or $ASYNCJOBQ_DSN)"
             ) from None
         lo, hi = self.pool_sizes
-        pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+        pool = _Pool(
             dsn,
             min_size=lo,
             max_size=hi,
-            kwargs={"autocommit": True, "application_name": self.application_name},
+            # connect_timeout: an attempt to a host that does not answer (no refusal either)
+            # holds one of the pool's few maintenance workers; bound it.
+            kwargs={"autocommit": True, "application_name": self.application_name,
+                    "connect_timeout": max(1, int(self.connect_timeout))},
             open=False,
-            check=check_idle_connection,
+            # No check= here: connection() checks (see there), without the pool's pause.
             name=f"asyncjobq-{self.schema}",
-            timeout=30.0,
+            timeout=POOL_TIMEOUT,
         )
         try:
             await pool.open(wait=True, timeout=self.connect_timeout)
@@ -120,10 +156,36 @@ class Database:
         return self._pool
 
     @asynccontextmanager
-    async def connection(self) -> AsyncIterator[Conn]:
-        """A pooled autocommit connection."""
-        async with self.pool.connection() as conn:
-            yield conn
+    async def connection(self, timeout: float | None = None) -> AsyncIterator[Conn]:
+        """A pooled autocommit connection, waiting up to `timeout` seconds (default
+        POOL_TIMEOUT) for one; PoolTimeout after that.
+
+        Each connection is checked before use (check_idle_connection); one the server has
+        ended is handed back, which makes the pool replace it, and the next one is taken at
+        once. psycopg_pool's own check= pauses 1 s, then 2, 4, 8 s... between connections that
+        fail it: after a restart, a pool holding a few dead idle connections made the first
+        checkout wait seconds for the server that was already back.
+        """
+        pool = self.pool
+        deadline = time.monotonic() + (POOL_TIMEOUT if timeout is None else timeout)
+        while True:
+            conn = await pool.getconn(timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                await check_idle_connection(conn)
+            except psycopg.Error:
+                # Closed, the pool discards it and connects anew instead of handing it out.
+                await conn.close()
+                await pool.putconn(conn)
+                continue
+            except BaseException:
+                await pool.putconn(conn)
+                raise
+            break
+        try:
+            async with conn:  # as pool.connection() does: commit, or roll back on error
+                yield conn
+        finally:
+            await pool.putconn(conn)
 
     @contextmanager
     def translate_errors(self) -> Iterator[None]:
@@ -139,7 +201,8 @@ class Database:
 
 
 async def check_idle_connection(conn: Conn) -> None:
-    """The pool's check on checkout, without a round trip for a connection that looks alive.
+    """The check on checkout (Database.connection), without a round trip for a connection
+    that looks alive.
 
     psycopg_pool's check_connection sends an empty query on every checkout: one enqueue()
     became two round trips (measured: 30-40 % of the concurrent enqueue rate). An idle

@@ -9,15 +9,26 @@ before, and every caller still returns only once its job is committed.
 A statement refused because of one row's value is retried row by row, so only that caller
 sees the error; any other failure (connection lost, schema missing) is every caller's, as it
 would have been had each run alone.
+
+`write` runs every enqueue's INSERT (these batches, a dedup_key enqueue, enqueue_many) and
+decides what a failing connection means for it (README: Producers during an outage).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import psycopg.errors
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+from psycopg_pool import PoolTimeout
+
+from ..errors import EnqueueConnectionError, reason
+from .database import Conn, Database
 
 # Errors that one row can cause for the whole statement: a value PostgreSQL refuses (22xxx
 # data, 23xxx integrity), or rows too large together (54000, e.g. jsonb's 256 MB limit).
@@ -134,3 +145,74 @@ class Inserter:
     async def _insert(self, rows: list[str]) -> list[int]:
         self.statements += 1
         return await self._write(rows)
+
+
+async def write(db: Database, conn: Conn | None, statement: sql.Composed, params: Any, *,
+                what: str, resend: bool, advice: str) -> list[tuple[Any, ...]]:
+    """Run an enqueue's INSERT and return its rows; a lost connection raises
+    EnqueueConnectionError, saying whether `what` ("the job", "the 3 jobs") may exist.
+
+    Without `conn`, a failure before the statement is sent cannot have written anything, so
+    it is waited out for up to db.connect_timeout: a dead pooled connection is replaced
+    (Database.connection), and a server that is down is waited for. After the statement was
+    sent, the server may have committed it before the reply was lost; it is sent again only
+    if `resend` (a dedup_key INSERT: a second one returns the first one's job). `advice` says
+    how to enqueue again safely when the job may exist.
+
+    With `conn`, the caller's transaction is theirs: nothing is retried.
+    """
+    if conn is not None:
+        return await _write_on_callers(db, conn, statement, params, what=what, advice=advice)
+    deadline = time.monotonic() + db.connect_timeout
+    lost: str | None = None  # why a connection was lost after the statement was sent
+    while True:
+        c: Conn | None = None
+        try:
+            with db.translate_errors():
+                async with db.connection(timeout=max(0.0, deadline - time.monotonic())) as c:
+                    cur = await c.execute(statement, params)
+                    return await cur.fetchall()
+        except PoolTimeout as e:  # an OperationalError too: before the next clause
+            if lost is None:
+                raise EnqueueConnectionError(
+                    f"enqueue: {reason(e)} (waited {db.connect_timeout:g} s, the Queue's "
+                    "connect_timeout); nothing was written: enqueue again once PostgreSQL "
+                    "accepts connections", may_have_been_written=False) from None
+            raise _maybe_written(what, lost, advice) from None
+        except psycopg.Error as e:
+            if c is None or not (c.closed or c.broken):
+                raise  # the server refused the statement: not a connection failure
+            lost = reason(e)
+            if not resend or time.monotonic() >= deadline:
+                raise _maybe_written(what, lost, advice) from None
+
+
+async def _write_on_callers(db: Database, conn: Conn, statement: sql.Composed, params: Any, *,
+                            what: str, advice: str) -> list[tuple[Any, ...]]:
+    # Outside a transaction block, an autocommit connection commits the INSERT by itself;
+    # otherwise it is part of the caller's transaction, which dies with the connection.
+    own_commit = conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
+    try:
+        with db.translate_errors():
+            cur = await conn.execute(statement, params)
+            return await cur.fetchall()
+    except psycopg.Error as e:
+        if not (conn.closed or conn.broken):
+            raise
+        if own_commit:
+            raise _maybe_written(what, reason(e), advice, caller=True) from None
+        raise EnqueueConnectionError(
+            f"enqueue: the connection passed as conn= was lost ({reason(e)}): its transaction "
+            "is lost (the server rolls it back), so nothing written in it is committed, "
+            f"{what} included: run the transaction again on a new connection",
+            may_have_been_written=False) from None
+
+
+def _maybe_written(what: str, lost: str, advice: str,
+                   caller: bool = False) -> EnqueueConnectionError:
+    conn = "the connection passed as conn= (autocommit)" if caller else "the connection"
+    return EnqueueConnectionError(
+        f"enqueue: {conn} to PostgreSQL was lost after the INSERT of {what} was sent "
+        f"({lost}): the server may have committed it, so {what} may or may not have been "
+        f"written; {advice}",
+        may_have_been_written=True)
