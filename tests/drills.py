@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +43,10 @@ class Drill:
         self.seconds = seconds
         self.procs: list[subprocess.Popen[str]] = []
         self.fault_ended = 0.0
+        # A worker whose stderr pipe is full blocks on its next log line: read the pipes as the
+        # workers write them (a storm of lost connections logs far more than a pipe holds).
+        self._stderr: dict[int, list[str]] = {}
+        self._readers: dict[int, threading.Thread] = {}
 
     async def setup(self) -> None:
         await execute(self.queue, CREATE_CLAIMS)
@@ -57,7 +62,24 @@ class Drill:
     def start_worker(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         p = spawn_worker(self.dsn, self.queue.schema, *WORKER_ARGS, *args, env=env)
         self.procs.append(p)
+        lines: list[str] = []
+        self._stderr[p.pid] = lines
+        for stream, sink in ((p.stderr, lines), (p.stdout, [])):
+            reader = threading.Thread(target=_read_into, args=(stream, sink), daemon=True)
+            reader.start()
+            self._readers[p.pid * 2 + (stream is p.stdout)] = reader
         return p
+
+    def stderr(self, p: subprocess.Popen[str]) -> str:
+        """What the worker has written to stderr so far."""
+        return "".join(self._stderr[p.pid])
+
+    def wait(self, p: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str]:
+        """Waits for the worker to exit; returns (returncode, stderr)."""
+        p.wait(timeout=timeout)
+        for key in (p.pid * 2, p.pid * 2 + 1):
+            self._readers[key].join(timeout=10)
+        return p.returncode, self.stderr(p)
 
     def live(self) -> list[subprocess.Popen[str]]:
         return [p for p in self.procs if p.poll() is None]
@@ -91,9 +113,13 @@ class Drill:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-            _, err = p.communicate(timeout=30)
-            out.append((p.returncode, err))
+            out.append(self.wait(p))
         return out
+
+
+def _read_into(stream: Any, sink: list[str]) -> None:
+    for line in iter(stream.readline, ""):
+        sink.append(line)
 
 
 def assert_clean(result: DrillResult) -> None:

@@ -223,7 +223,7 @@ async def test_lost_lease_is_fenced(queue: Queue, pg_dsn: str) -> None:
         result = await drill.drain()
         assert_clean(result)
         # The cut worker gave its attempts up when no heartbeat had landed for a lease.
-        await wait_for(lambda: lease_loss_logged(cut), timeout=30,
+        await wait_for(lambda: lease_loss_logged(drill, cut), timeout=30,
                        what="the cut-off worker cancelling its handlers")
         assert cut.poll() is None
         pids = await fetchval(queue, "SELECT array_agg(DISTINCT pid) FROM {s}.claims c"
@@ -243,21 +243,8 @@ async def all_done(q: Queue, ids: list[int]) -> bool:
     return True
 
 
-_stderr: dict[int, str] = {}
-
-
-async def lease_loss_logged(proc: Any) -> bool:
-    # The worker logs at warning level; read what it has written so far without blocking.
-    import fcntl
-
-    fd = proc.stderr.fileno()
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-    try:
-        chunk = proc.stderr.read()
-    except (BlockingIOError, TypeError):
-        chunk = None
-    _stderr[proc.pid] = _stderr.get(proc.pid, "") + (chunk or "")
-    return _stderr[proc.pid].count("presuming the lease lost") >= 5
+def lease_loss_logged(drill: Drill, proc: Any) -> bool:
+    return drill.stderr(proc).count("presuming the lease lost") >= 5
 
 
 @pytest.mark.timeout(240)
@@ -317,8 +304,8 @@ async def test_handler_blocking_the_loop(queue: Queue, pg_dsn: str) -> None:
         assert await fetchval(queue, "SELECT count(*) FROM {s}.claims WHERE job_id = %s",
                               blocked) == 1
         blocker.send_signal(signal.SIGTERM)
-        _, err = blocker.communicate(timeout=30)
-        assert blocker.returncode == 0
+        returncode, err = drill.wait(blocker)
+        assert returncode == 0
         assert "event loop blocked" in err and "block" in err, err[-2000:]
     finally:
         no_tracebacks(drill.stop())
