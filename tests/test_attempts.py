@@ -189,7 +189,10 @@ async def test_a_claim_whose_reply_is_lost_is_released_without_counting_an_attem
         fetcher, completer = w.fetcher, w.completer
         real_claim = fetcher.claim
         if path == "fetch":
+            calls = {"n": 0}
+
             async def claim_reply_lost(limit: int) -> list[Job]:
+                calls["n"] += 1
                 jobs = await real_claim(limit)
                 if jobs and not lost["n"]:
                     lost["n"] += 1
@@ -197,6 +200,10 @@ async def test_a_claim_whose_reply_is_lost_is_released_without_counting_an_attem
                 return jobs
 
             fetcher.claim = claim_reply_lost  # type: ignore[method-assign]
+            # A claim sent before the patch (the first, while the fetcher's connection opens)
+            # would take the victim unharmed: enqueue once the patched claim has run.
+            fetcher.wakeup.set()
+            await wait_for(lambda: calls["n"] > 0, timeout=10, what="a patched claim")
             job_id = await once.enqueue({"name": "victim"})
         else:
             # The fetcher claims only the first job; the victim is claimed by the flush of the
@@ -321,3 +328,58 @@ async def test_every_pending_due_time_wakes_the_fetcher(queue: Queue) -> None:
         await later.enqueue({"n": "c"}, delay=1.5)
         await wait_for(lambda: len(ran) == 3, timeout=10, what="all three delayed jobs")
     assert ran["c"] - t0 < 5, "a later due time waited for the next poll"
+
+
+async def test_a_timed_out_sync_body_still_running_at_shutdown_fails_as_timed_out(
+        queue: Queue, caplog: pytest.LogCaptureFixture) -> None:
+    """The timeout fired, the worker waited for the body, and a stop cancelled it meanwhile:
+    the attempt timed out (counted, failed here), it was not interrupted by the shutdown
+    (requeued at once, uncounted in effect)."""
+    caplog.set_level(logging.WARNING, logger="asyncjobq")
+    started = threading.Event()
+
+    @queue.task(name="overrun_at_stop", timeout=0.3, max_attempts=1)
+    def overrun_at_stop(job: Job) -> None:
+        started.set()
+        time.sleep(1.5)
+
+    job_id = await overrun_at_stop.enqueue({})
+    w = Worker(queue, concurrency=1, poll_interval=0.1, shutdown_timeout=0.3)
+    async with running(w):
+        await wait_for(started.is_set, timeout=10, what="the body running")
+        await wait_for(lambda: "cannot be interrupted" in caplog.text, timeout=10,
+                       what="the timeout fired, the worker waiting for the body")
+    info = await queue.get(job_id)
+    assert info is not None and info.status == "failed", info
+    assert info.last_error is not None and "timed out after 0.3 s" in info.last_error
+
+
+async def test_a_cut_off_job_is_left_to_the_reaper_not_released_uncounted(
+        queue: Queue) -> None:
+    """A handler given up because no heartbeat landed for a lease leaves its row running under
+    this worker; a release of lost claim rows must leave that row alone (the reaper takes it,
+    counting the attempt), or a job always cut off would run forever."""
+    gate = asyncio.Event()
+
+    @queue.task(name="cut", max_attempts=1)
+    async def cut(job: Job) -> None:
+        await gate.wait()
+
+    job_id = await cut.enqueue({})
+    w = Worker(queue, concurrency=1, lease=60.0, poll_interval=0.1)
+    async with running(w):
+        await wait_for(lambda: bool(w._running), timeout=10, what="the job running")
+        (r,) = w._running.values()
+        r.started -= 120  # its lease ran out as far as the worker can tell
+        w._cut_off(120.0)
+        await wait_for(lambda: not w._running, timeout=10, what="the handler cancelled")
+        assert w.fetcher is not None
+        w.fetcher._suspect = True  # a claim's reply was lost meanwhile
+        w.fetcher.wakeup.set()
+        await wait_for(lambda: w.fetcher is not None and not w.fetcher._suspect, timeout=10,
+                       what="the lost claim rows released")
+        assert w.fetcher.released == 0
+        row = await fetchval(queue, "SELECT status || ':' || attempts FROM {s}.jobs"
+                             " WHERE id = %s", job_id)
+        assert row == "running:1"
+        gate.set()

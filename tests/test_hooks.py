@@ -218,3 +218,117 @@ async def test_bad_hooks_and_middleware_are_refused(queue: Queue) -> None:
     with pytest.raises(ConfigurationError, match="not a coroutine function"):
         queue.add_middleware(sync_mw)
     assert not queue.hooks.active
+
+
+async def test_a_hanging_hook_holds_up_neither_maintenance_nor_enqueue(queue: Queue) -> None:
+    """Hooks run in tasks of their own: an on_reaped or on_leader_changed that never returns
+    must not stall the leader's reaper or elector, nor an on_enqueued the enqueue."""
+    forever = asyncio.Event()
+
+    class Hanging:
+        async def on_reaped(self, **kw: Any) -> None:
+            await forever.wait()
+
+        async def on_leader_changed(self, **kw: Any) -> None:
+            await forever.wait()
+
+        async def on_enqueued(self, **kw: Any) -> None:
+            await forever.wait()
+
+    queue.add_hook(Hanging())
+    queue.hooks.timeout = 3600  # the hooks' own bound is not what is tested here
+    stale = "UPDATE {s}.jobs SET status = 'running', locked_by = 'dead'," \
+            " locked_at = now() - interval '1 hour', attempts = 1 WHERE id = %s"
+    first = await asyncio.wait_for(queue.enqueue("nobody", {}), timeout=5)
+    await execute(queue, stale, first)
+    w = Worker(queue, queues=["elsewhere"], lease=3.0, poll_interval=0.1, reap_interval=0.1,
+               shutdown_timeout=0.5)
+    async with running(w):
+        await wait_for(lambda: _status(queue, first, "queued"), timeout=10, what="first reaped")
+        second = await asyncio.wait_for(queue.enqueue("nobody", {}), timeout=5)
+        await execute(queue, stale, second)
+        await wait_for(lambda: _status(queue, second, "queued"), timeout=10,
+                       what="second reaped while the first on_reaped still hangs")
+        assert w.elector is not None
+        renewals = w.elector.terms
+        assert w.elector.is_leader and renewals == 1
+    forever.set()
+
+
+async def _status(queue: Queue, job_id: int, status: str) -> bool:
+    info = await queue.get(job_id)
+    return info is not None and info.status == status
+
+
+async def test_hooks_raising_base_exceptions_or_outlasting_their_timeout_are_contained(
+        queue: Queue, caplog: pytest.LogCaptureFixture) -> None:
+    """SystemExit, KeyboardInterrupt or a CancelledError of the hook's own, raised in a hook,
+    would end the event loop (or the hook's caller); a hook past Hooks.timeout is cancelled."""
+    caplog.set_level(logging.WARNING, logger="asyncjobq")
+
+    class Hostile:
+        async def on_claimed(self, **kw: Any) -> None:
+            raise SystemExit(3)
+
+        async def on_finished(self, **kw: Any) -> None:
+            raise KeyboardInterrupt
+
+        async def on_started(self, **kw: Any) -> None:
+            raise asyncio.CancelledError
+
+    class Slow:
+        async def on_finished(self, **kw: Any) -> None:
+            await asyncio.sleep(3600)
+
+    queue.add_hook(Hostile())
+    queue.add_hook(Slow())
+    queue.hooks.timeout = 0.2
+
+    @queue.task(name="fine")
+    async def fine(job: Job) -> None:
+        pass
+
+    ids = await queue.enqueue_many("fine", [{} for _ in range(10)])
+    w = Worker(queue, poll_interval=0.1, shutdown_timeout=1)
+    async with running(w):
+        await wait_for(lambda: w.completed == 10, timeout=15, what="10 jobs done")
+        await wait_for(lambda: "took more than 0.2 s and was cancelled" in caplog.text,
+                       timeout=10, what="the slow hook cancelled")
+    for i in ids:
+        info = await queue.get(i)
+        assert info is not None and info.status == "done" and info.attempts == 1
+    assert "Hostile.on_claimed raised SystemExit" in caplog.text
+    assert "Hostile.on_finished raised KeyboardInterrupt" in caplog.text
+    assert "Hostile.on_started raised CancelledError" in caplog.text
+
+
+async def test_on_started_is_outside_the_handlers_timeout_and_after_on_claimed(
+        queue: Queue) -> None:
+    order: list[str] = []
+
+    class Slow:
+        async def on_claimed(self, **kw: Any) -> None:
+            order.append("claimed")
+
+        async def on_started(self, **kw: Any) -> None:
+            order.append("started")
+            await asyncio.sleep(0.5)  # longer than the handler's timeout
+
+    queue.add_hook(Slow())
+
+    @queue.task(name="quick", timeout=0.3, max_attempts=1)
+    async def quick(job: Job) -> None:
+        pass
+
+    job_id = await quick.enqueue({})
+    w = Worker(queue, poll_interval=0.1)
+    async with running(w):
+        await wait_for(lambda: _finished(queue, job_id), timeout=10, what="job finished")
+    info = await queue.get(job_id)
+    assert info is not None and info.status == "done", info
+    assert order == ["claimed", "started"]
+
+
+async def _finished(queue: Queue, job_id: int) -> bool:
+    info = await queue.get(job_id)
+    return info is not None and info.status in ("done", "failed")

@@ -188,3 +188,33 @@ async def test_status_shows_the_leader(queue: Queue, pg_dsn: str) -> None:
     finally:
         w.stop()
         await asyncio.wait_for(task, timeout=30)
+
+
+async def test_a_snapshot_from_before_a_takeover_does_not_make_a_leader(
+        queue: Queue, pg_dsn: str) -> None:
+    """The election's fallback read sees the statement's snapshot: when another worker's takeover
+    commits while this worker's election waits on the row, the snapshot still shows this worker's
+    expired term. Only a row the election wrote makes a leader."""
+    from asyncjobq._maintenance.leader import Elector
+
+    await execute(queue, "INSERT INTO {s}.leader (name, worker, elected_at, expires_at)"
+                  " VALUES ('default', 'me', now() - interval '1 h', now() - interval '1 s')")
+    elector = Elector(queue.database, "me", ttl=30)
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as other:
+        # Another worker's takeover, not yet committed: the election blocks on the row.
+        await other.execute(f"UPDATE {queue.schema}.leader SET worker = 'other',"
+                            " elected_at = now(), expires_at = now() + interval '1 h'")
+        election = asyncio.create_task(elector.turn())
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watch:
+            async def waiting() -> bool:
+                cur = await watch.execute(
+                    "SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE %s", (f"%INSERT INTO \"{queue.schema}\".leader%",))
+                row = await cur.fetchone()
+                return bool(row and row[0])
+
+            await wait_for(waiting, timeout=10, what="the election waiting on the row")
+        await other.commit()
+    await asyncio.wait_for(election, timeout=10)
+    assert not elector.is_leader
+    assert elector.terms == 0

@@ -10,7 +10,11 @@ arguments (docs/architecture.md lists where each fires):
     on_reaped(job_ids)                       the leader's reaper took back jobs of dead workers
     on_leader_changed(worker_id)             this process saw the leader change (None: none)
 
-A hook that raises is logged and never affects a job. Middleware wraps each handler call,
+A hook that raises, or takes longer than `Hooks.timeout` seconds (then it is cancelled), is
+logged and never affects a job. Hooks run in tasks of their own, never in the claim, the
+completion, the enqueue or a maintenance turn, except on_started, which is awaited just before
+its handler (outside the handler's timeout), so that it can set up what the handler sees.
+Middleware wraps each handler call,
 outermost first: `async def mw(job, call_next): return await call_next(job)`; it may change
 the job it passes on, swallow or replace the result, or raise (Retry, Fail or any error,
 judged as the handler's own). With no hook and no middleware registered, the worker does no
@@ -29,6 +33,10 @@ from .errors import ConfigurationError
 from .job import Job
 
 log = logging.getLogger("asyncjobq.hooks")
+
+# Hook calls in flight at most: past this (hooks far slower than the jobs they watch), further
+# events are dropped and counted rather than held in memory without bound.
+MAX_PENDING = 10_000
 
 Finished = Literal["done", "retry", "snoozed", "failed", "cancelled"]
 FINISHED: tuple[Finished, ...] = ("done", "retry", "snoozed", "failed", "cancelled")
@@ -59,8 +67,11 @@ class Hooks:
         self.middleware: tuple[Middleware, ...] = ()
         # Whether anything is registered: the worker skips hooks altogether when not.
         self.active = False
+        self.timeout = 10.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: set[tuple[int, str]] = set()
+        self.dropped = 0  # events not delivered because MAX_PENDING calls were in flight
+        self._dropped_logged = 0
 
     def add_hook(self, hook: object) -> None:
         found = {e: getattr(hook, e) for e in EVENTS if callable(getattr(hook, e, None))}
@@ -86,23 +97,50 @@ class Hooks:
         self.active = True
 
     async def emit(self, event: str, **kwargs: Any) -> None:
-        """Call every hook of `event`; an exception is logged, never raised."""
+        """Call every hook of `event`, each within `timeout` seconds; what a hook raises is
+        logged, never raised (only a cancellation of the caller itself goes through)."""
         for method in tuple(getattr(self, event)):
             try:
-                await method(**kwargs)
-            except Exception as e:
-                key = (id(method), type(e).__name__)
-                first = key not in self._warned
-                self._warned.add(key)
-                # The first of each kind with its traceback; the rest at debug level, since a
-                # broken hook fails for every job.
-                log.log(logging.WARNING if first else logging.DEBUG,
-                        "hook %s raised %s: %s (ignored, the job is not affected%s)",
-                        getattr(method, "__qualname__", repr(method)), type(e).__name__, e,
-                        "; repeats are logged at debug level" if first else "", exc_info=first)
+                async with asyncio.timeout(self.timeout) as deadline:
+                    await method(**kwargs)
+            except TimeoutError as e:
+                if deadline.expired():
+                    self._failed(method, e, f"took more than {self.timeout:g} s and was "
+                                 "cancelled")
+                else:
+                    self._failed(method, e)
+            except asyncio.CancelledError as e:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the caller is being cancelled, not just the hook
+                self._failed(method, e)
+            except BaseException as e:  # SystemExit, KeyboardInterrupt from a hook: still its
+                self._failed(method, e)
+
+    def _failed(self, method: _Method, e: BaseException, what: str | None = None) -> None:
+        key = (id(method), type(e).__name__)
+        first = key not in self._warned
+        self._warned.add(key)
+        # The first of each kind with its traceback; the rest at debug level, since a broken
+        # hook fails for every job.
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "hook %s %s (ignored, the job is not affected%s)",
+                getattr(method, "__qualname__", repr(method)),
+                what or f"raised {type(e).__name__}: {e}",
+                "; repeats are logged at debug level" if first else "",
+                exc_info=first and what is None)
 
     def spawn(self, event: str, **kwargs: Any) -> None:
-        """emit() in a task of its own, from code that must not wait (claims, completions)."""
+        """emit() in a task of its own, from code that must not wait (claims, completions,
+        enqueues, maintenance turns)."""
+        if len(self._tasks) >= MAX_PENDING:
+            self.dropped += 1
+            if self.dropped >= 2 * self._dropped_logged:  # 1, 2, 4, 8...: not once per event
+                self._dropped_logged = self.dropped
+                log.warning("%d hook event(s) dropped so far: %d hook calls are still running "
+                            "(hooks slower than the jobs they watch); make the hooks faster or "
+                            "hand their work to a queue of their own", self.dropped, MAX_PENDING)
+            return
         task = asyncio.get_running_loop().create_task(self.emit(event, **kwargs),
                                                        name=f"asyncjobq hook {event}")
         self._tasks.add(task)

@@ -193,6 +193,7 @@ class Queue:
         if self._inserter is not None:
             await self._inserter.drain()
         self._inserter = None
+        await self.hooks.settle(timeout=self.hooks.timeout)  # on_enqueued calls still running
         await self._db.close()
 
     async def __aenter__(self) -> Queue:
@@ -278,7 +279,7 @@ class Queue:
                    f"{attempts:d}]")
             job_id = await self._open_inserter().insert(job)
             if self.hooks.on_enqueued:
-                await self.hooks.emit("on_enqueued", job_ids=[job_id], task=name, queue=q)
+                self.hooks.spawn("on_enqueued", job_ids=[job_id], task=name, queue=q)
             return job_id
         params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
                   "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key}
@@ -291,7 +292,7 @@ class Queue:
             if rows:
                 job_id = int(rows[0][0])
                 if self.hooks.on_enqueued:
-                    await self.hooks.emit("on_enqueued", job_ids=[job_id], task=name, queue=q)
+                    self.hooks.spawn("on_enqueued", job_ids=[job_id], task=name, queue=q)
                 return job_id
             # The duplicate committed after our snapshot, or finished meanwhile: look again.
         raise AsyncJobQError(f"enqueue with dedup_key={dedup_key!r} kept racing with other "
@@ -339,7 +340,7 @@ class Queue:
                            resend=False, advice=_MANY_UNSURE)
         ids = [int(r[0]) for r in rows]
         if self.hooks.on_enqueued:
-            await self.hooks.emit("on_enqueued", job_ids=ids, task=name, queue=q)
+            self.hooks.spawn("on_enqueued", job_ids=ids, task=name, queue=q)
         return ids
 
     def _defaults(

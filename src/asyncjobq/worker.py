@@ -145,6 +145,8 @@ class Worker:
         # Keyed by (id, attempt): after a lost lease this worker may claim the job's next
         # attempt while the old one is still being cancelled; each is counted and fenced alone.
         self._running: dict[tuple[int, int], RunningJob] = {}
+        # (id, attempt) -> when: handlers given up for a lost lease, whose rows the reaper takes.
+        self._let_go: dict[tuple[int, int], float] = {}
         self._none_running: anyio.Event | None = None
         # Events need a running loop; they are made in run(). stop() may come earlier.
         self._stop_requested = False
@@ -191,7 +193,7 @@ class Worker:
         fetcher = self.fetcher = Fetcher(
             db, self.id, self.queues, batch_size=self.batch_size,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
-            free_slots=self._free_slots, dispatch=self._dispatch, held=self._held,
+            free_slots=self._free_slots, dispatch=self._dispatch, held=self._keep,
             claimed=self._claimed)
         completer = self.completer = Completer(
             db, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
@@ -291,9 +293,9 @@ class Worker:
             log.warning("could not resign the leadership (%s); another worker takes over when "
                         "it expires", reason(e))
 
-    async def _leader_changed(self, worker_id: str | None) -> None:
+    def _leader_changed(self, worker_id: str | None) -> None:
         if self.queue.hooks.on_leader_changed:
-            await self.queue.hooks.emit("on_leader_changed", worker_id=worker_id)
+            self.queue.hooks.spawn("on_leader_changed", worker_id=worker_id)
 
     async def _all_finished(self) -> None:
         self._none_running = anyio.Event()
@@ -355,10 +357,21 @@ class Worker:
         assert self.completer is not None
         return [*tuple(self._running), *self.completer.pending()]
 
+    def _keep(self) -> list[tuple[int, int]]:
+        """What a release of lost claim rows (fetcher.py) must leave alone: the jobs held, and
+        those let go for a lost lease, which are the reaper's to take with their attempt
+        counted (released uncounted, a job always cut off would run forever)."""
+        now = time.monotonic()
+        for key, at in list(self._let_go.items()):
+            if now - at > 10 * self.lease:  # long since reaped
+                del self._let_go[key]
+        return [*self._held(), *self._let_go]
+
     def _lease_lost(self, lost: set[tuple[int, int]]) -> None:
         for key in lost:
             r = self._running.get(key)
-            if r is not None:
+            if r is not None and r.cancel_reason is None:
+                self._let_go[key] = time.monotonic()
                 log.warning("job %s (%s) attempt %s: lease lost (reaped while running); "
                             "cancelling the handler, its outcome will not be written", key[0],
                             r.job.task, key[1])
@@ -370,6 +383,7 @@ class Worker:
         expired = time.monotonic() - self.lease
         for (job_id, attempt), r in list(self._running.items()):
             if r.started < expired and r.cancel_reason is None:
+                self._let_go[job_id, attempt] = time.monotonic()
                 log.warning("job %s (%s) attempt %s: no heartbeat has reached the database for "
                             "%.0f s (lease %.0f s); presuming the lease lost and cancelling the "
                             "handler", job_id, r.job.task, attempt, silent_for, self.lease)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -31,11 +31,13 @@ class Elector(Service):
     eager = True
 
     def __init__(self, db: Database, worker_id: str, *, ttl: float,
-                 on_change: Callable[[str | None], Awaitable[None]] | None = None) -> None:
+                 on_change: Callable[[str | None], None] | None = None) -> None:
         self._db = db
         self._worker_id = worker_id
         self.ttl = ttl
         self.interval = ttl / 3
+        # A renewal that lands after the lease is worth nothing: give it up and try again.
+        self.timeout = ttl
         self.max_backoff = self.interval
         self._on_change = on_change
         self._valid_until = 0.0  # monotonic; leader while now is before it
@@ -57,11 +59,15 @@ class Elector(Service):
         except BaseException:
             # Unknown whether the renewal landed: what was held is held until it runs out.
             if self.leader == self._worker_id and not self.is_leader:
-                await self._observe(None, None)
+                self._observe(None, None)
             raise
         leader, since = (str(row[0]), row[1]) if row else (None, None)
+        held = bool(row[2]) if row else False
+        if leader == self._worker_id and not held:
+            # A snapshot from before another worker's takeover (sql/maintenance.py): not ours.
+            leader, since = None, None
         was = self.is_leader
-        if leader == self._worker_id:
+        if held and leader == self._worker_id:
             self._valid_until = sent + self.ttl
             if not was:
                 self.terms += 1
@@ -71,14 +77,14 @@ class Elector(Service):
             self._valid_until = 0.0
             log.warning("worker %s lost the leadership of schema %s to %s", self._worker_id,
                         self._db.schema, leader)
-        await self._observe(leader, since)
+        self._observe(leader, since)
 
-    async def _observe(self, leader: str | None, since: datetime | None) -> None:
+    def _observe(self, leader: str | None, since: datetime | None) -> None:
         if leader == self.leader:
             return
         self.leader, self.since = leader, since
         if self._on_change is not None:
-            await self._on_change(leader)
+            self._on_change(leader)
 
     async def resign(self) -> None:
         """Give the row up (on stop), so that another worker leads at its next turn."""

@@ -1,8 +1,7 @@
 """Requeues (or fails, when attempts are spent) running jobs whose lease ran out.
 
-Every worker runs a reaper, but a transaction-scoped advisory lock lets only one of them work
-at a time; the others skip the turn. Every `prune_interval` the turn also prunes history past
-retention (pruner.py), under its own lock so a long prune never delays reaping.
+A leader-only service (leader.py, services.py); a transaction-scoped advisory lock still
+keeps a second reaper out for the instant two workers might both believe they lead.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import logging
 
 from .._db.database import Database
 from ..hooks import Hooks
-from .pruner import Pruner
 from .services import Service
 
 log = logging.getLogger("asyncjobq.reaper")
@@ -26,18 +24,17 @@ class Reaper(Service):
     leader_only = True
 
     def __init__(self, db: Database, *, lease: float, interval: float,
-                 pruner: Pruner | None = None, hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None) -> None:
         self._db = db
         self._lease = lease
         self.interval = interval
-        self.pruner = pruner
         self._hooks = hooks
         self.reaped = 0
 
     async def turn(self) -> list[int]:
         ids = await self.reap_ids()
         if ids and self._hooks is not None and self._hooks.on_reaped:
-            await self._hooks.emit("on_reaped", job_ids=ids)
+            self._hooks.spawn("on_reaped", job_ids=ids)
         return ids
 
     async def reap(self) -> int:

@@ -1,14 +1,16 @@
 """Maintenance services and the one runner that runs them (docs/architecture.md).
 
 A service is a small object of one shape: a `name`, an `interval` in seconds, `leader_only`
-(run on the fleet's leader only, leader.py) and `async turn()`. The runner calls each turn every
-interval, logs and backs off when a turn fails, and never dies of a failed turn: a bug in one
-service must not stop a worker's claims, nor the other services. A service that sets
-`disabled` is not run again.
+(run on the fleet's leader only, leader.py), a `timeout` in seconds and `async turn()`. The
+runner calls each turn every interval, cancels a turn that outlasts its timeout, logs and backs
+off when a turn fails, and never dies of a failed turn: a bug in one service (even one that
+raises CancelledError of its own) must not stop a worker's claims, nor the other services. A
+service that sets `disabled` is not run again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -24,6 +26,10 @@ log = logging.getLogger("asyncjobq.services")
 MAX_BACKOFF = 60.0
 
 
+class TurnTimeout(Exception):
+    """A turn outlasted its service's timeout."""
+
+
 class Service:
     name = "service"
     interval = 1.0
@@ -33,6 +39,9 @@ class Service:
     eager = False
     # Failed turns back off up to this (the elector must keep trying every interval).
     max_backoff = MAX_BACKOFF
+    # A turn still running after this is cancelled and counted as failed: a turn stuck on a
+    # lock or a server that stopped answering must not hold the service for good.
+    timeout = 60.0
 
     async def turn(self) -> object:
         raise NotImplementedError
@@ -59,16 +68,25 @@ class ServiceRunner:
             if service.leader_only and not self._is_leader():
                 continue
             try:
-                await service.turn()
-            except (psycopg.Error, PoolTimeout, OSError) as e:
+                with anyio.move_on_after(service.timeout) as scope:
+                    await service.turn()
+                if scope.cancelled_caught:
+                    raise TurnTimeout(f"the turn took more than {service.timeout:g} s and was "
+                                      "cancelled")
+            except (psycopg.Error, PoolTimeout, OSError, TurnTimeout) as e:
                 delay = self._failed(service, e, failed_kinds, traceback=False)
+            except asyncio.CancelledError as e:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the runner itself is being stopped
+                delay = self._failed(service, e, failed_kinds, traceback=True)
             except Exception as e:  # a bug: logged with its traceback, the worker goes on
                 delay = self._failed(service, e, failed_kinds, traceback=True)
             else:
                 failed_kinds.clear()
                 self.failures[service.name] = 0
 
-    def _failed(self, service: Service, e: Exception, seen: set[str], *,
+    def _failed(self, service: Service, e: BaseException, seen: set[str], *,
                 traceback: bool) -> float:
         n = self.failures[service.name] = self.failures.get(service.name, 0) + 1
         delay = max(service.interval,
@@ -77,7 +95,11 @@ class ServiceRunner:
         # Once per kind of error until a turn succeeds: an outage must not flood the log.
         level = logging.DEBUG if kind in seen else logging.WARNING
         seen.add(kind)
-        advice = "" if traceback else f": {retrying.advice(e)}"
+        if isinstance(e, TurnTimeout):
+            advice = (": look for locks held on the queue's tables (pg_locks) or a server that "
+                      "stopped answering")
+        else:
+            advice = "" if traceback else f": {retrying.advice(e)}"
         log.log(level, "%s turn failed (%s)%s; trying again in %.1f s", service.name, reason(e),
                 advice, delay, exc_info=traceback)
         return delay

@@ -91,7 +91,7 @@ class Fetcher:
         self._free_slots = free_slots
         self._dispatch = dispatch
         self._held_now = held  # (id, attempt) of every job the worker holds in memory
-        self._claimed = claimed  # told of each claimed batch, after it was dispatched
+        self._claimed = claimed  # told of each claimed batch, before it is dispatched
         # A claim failed after it was sent: it may have committed, its rows then held in the
         # table by this worker with no handler. They are released before the next claim.
         self._suspect = False
@@ -183,11 +183,12 @@ class Fetcher:
         self._hand_out(self._jobs(rows))
 
     def _hand_out(self, jobs: list[Job]) -> None:
+        # Told first: the on_claimed hook's task then starts before the handlers' (on_started).
+        if jobs and self._claimed is not None:
+            self._claimed(jobs)
         for job in jobs:
             self._dispatch(job)
         self.claimed += len(jobs)
-        if jobs and self._claimed is not None:
-            self._claimed(jobs)
 
     def folded_failed(self, reserved: int) -> None:
         self._reserved -= reserved
@@ -218,11 +219,14 @@ class Fetcher:
         finally:
             self._reserved -= limit
 
-    async def _release_lost_claims(self) -> None:
+    async def _release_lost_claims(self, timeout: float | None = None) -> None:
         """Put back rows a lost claim reply left running under this worker, uncounted."""
         # No other claim may be in flight: its rows, committed but not yet handed out, would
         # look lost too. fold() claims nothing while a release is due.
+        until = None if timeout is None else time.monotonic() + timeout
         while self._reserved:
+            if until is not None and time.monotonic() > until:
+                raise TimeoutError(f"a claim was still in flight after {timeout:g} s")
             await self.wakeup.wait(0.01)
         held = self._held_now()
         st = self._db.sql
@@ -244,8 +248,8 @@ class Fetcher:
         if not self._suspect:
             return
         try:
-            await self._release_lost_claims()
-        except (psycopg.Error, PoolTimeout) as e:
+            await self._release_lost_claims(timeout=10.0)
+        except (psycopg.Error, PoolTimeout, TimeoutError) as e:
             log.warning("could not release jobs of a claim whose reply was lost (%s); they "
                         "will be reaped after the lease", reason(e))
 

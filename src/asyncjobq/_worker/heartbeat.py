@@ -55,7 +55,6 @@ class Heartbeat:
         self._last_tick = time.monotonic()
         # When a beat last reached the database (or nothing was held, so nothing could lapse).
         self._last_ok = time.monotonic()
-        self._cut_off_reported = 0.0
         self._errors_seen: set[str] = set()
         self.beats = 0
         self.failures = 0
@@ -124,10 +123,9 @@ class Heartbeat:
         silent = time.monotonic() - self._last_ok
         if silent < self._lease or self._loop is None:
             return
-        # Once per interval at most: the loop cancels what has lapsed by then.
-        if time.monotonic() - self._cut_off_reported < self.interval:
-            return
-        self._cut_off_reported = time.monotonic()
+        # Every pass (each TICK): a job whose lease lapses between passes is let go within a
+        # TICK, not an interval later while another worker may already run it. The loop's
+        # handler skips what it has already cancelled.
         try:
             self._loop.call_soon_threadsafe(self._on_cut_off, silent)
         except RuntimeError:

@@ -68,13 +68,15 @@ class ThreadRunner:
             ctx, fn, arg, fut, loop = work
             try:
                 result: object = ctx.run(fn, arg)
+                error: BaseException | None = None
             except BaseException as e:  # the handler's, handed to the loop
-                _hand_over(loop, fut, None, e)
-            else:
-                _hand_over(loop, fut, result, None)
-            del work, ctx, fn, arg, fut, loop
+                result, error = None, e
+            # Idle before the loop hears of it: the next submit() the result prompts then reuses
+            # this thread instead of starting another.
             with self._lock:
                 self._idle += 1
+            _hand_over(loop, fut, result, error)
+            del work, ctx, fn, arg, fut, loop, result, error
 
 
 def _hand_over(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[object], result: object,

@@ -48,7 +48,10 @@ class MaintenanceStatements(Role):
     @property
     def leader_elect(self) -> sql.Composed:
         # Take the row when it is free or expired, renew it when it is ours; either way the
-        # current leader comes back. Expiry is judged by the server's clock alone.
+        # current leader comes back, with `held`: true only when this statement wrote the row.
+        # The fallback SELECT reads the statement's snapshot, which may predate another
+        # worker's takeover and still name this one: only a written row makes a leader.
+        # Expiry is judged by the server's clock alone.
         return _q(
             "WITH attempt AS ("
             " INSERT INTO {s}.leader AS l (name, worker, elected_at, expires_at)"
@@ -59,8 +62,8 @@ class MaintenanceStatements(Role):
             "   expires_at = excluded.expires_at"
             " WHERE l.worker = excluded.worker OR l.expires_at < now()"
             " RETURNING worker, elected_at)"
-            " SELECT worker, elected_at FROM attempt"
-            " UNION ALL SELECT worker, elected_at FROM {s}.leader"
+            " SELECT worker, elected_at, true AS held FROM attempt"
+            " UNION ALL SELECT worker, elected_at, false FROM {s}.leader"
             "   WHERE name = 'default' AND NOT EXISTS (SELECT FROM attempt)"
             " LIMIT 1",
             self.schema,
