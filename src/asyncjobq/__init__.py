@@ -12,7 +12,7 @@ from .errors import (
     SchemaNotInstalledError,
     SchemaVersionError,
 )
-from .job import Fail, Job, JobInfo, Retry
+from .job import Fail, Job, JobInfo, Retry, RetryResult
 from .queue import Queue
 from .task import Task
 from .worker import Worker
@@ -33,6 +33,7 @@ __all__ = [
     "Queue",
     "QueueClosedError",
     "Retry",
+    "RetryResult",
     "SchemaNotInstalledError",
     "SchemaVersionError",
     "Task",

@@ -390,14 +390,27 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
 @click.option("--task", default=None)
 @click.option("--error-like", default=None, metavar="PATTERN",
               help="SQL LIKE pattern on last_error, e.g. '%Timeout%'.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_db_options
 @_guard
-def retry_failed(queue: str | None, task: str | None, error_like: str | None, dsn: str | None,
-                 schema: str) -> None:
-    """Requeue failed (dead-lettered) jobs with their attempts reset."""
-    n = _with_queue(dsn, schema, lambda q: q.retry_failed(queue=queue, task=task,
-                                                          error_like=error_like))
-    click.echo(f"requeued {n} failed job(s)")
+def retry_failed(queue: str | None, task: str | None, error_like: str | None, as_json: bool,
+                 dsn: str | None, schema: str) -> None:
+    """Requeue failed (dead-lettered) jobs with their attempts reset.
+
+    Of failed jobs sharing a dedup_key, only the newest is requeued, and none while a queued or
+    running job holds the key: the others stay failed, counted as skipped.
+    """
+    result = _with_queue(dsn, schema, lambda q: q.retry_failed(queue=queue, task=task,
+                                                               error_like=error_like))
+    if as_json:
+        click.echo(json.dumps({"requeued": result.requeued, "skipped": result.skipped}))
+        return
+    line = f"requeued {result.requeued} failed job(s)"
+    if result.skipped:
+        line += (f"; left {result.skipped} failed: another job holds their dedup_key (queued, "
+                 "running, or the newest failed one of the key, requeued now); retry them "
+                 "once it has finished")
+    click.echo(line)
 
 
 @main.command()

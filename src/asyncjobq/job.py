@@ -1,4 +1,5 @@
-"""What handlers see (Job), what `get` returns (JobInfo), and what handlers may raise."""
+"""What handlers see (Job), what `get` and `retry_failed` return (JobInfo, RetryResult), and what
+handlers may raise."""
 
 from __future__ import annotations
 
@@ -54,6 +55,31 @@ class JobInfo:
     created_at: datetime
     finished_at: datetime | None
     payload: dict[str, Any]
+
+
+class RetryResult(int):
+    """What `Queue.retry_failed` did. It is the number of jobs requeued (an int, as it always
+    was), and `skipped` counts the matching failed jobs it left failed because another job
+    holds their dedup_key: a queued or running one, or a newer failed one requeued now (one
+    job per key may be live). Retry them once that job has finished."""
+
+    _skipped: int
+
+    def __new__(cls, requeued: int = 0, skipped: int = 0) -> RetryResult:
+        result = super().__new__(cls, requeued)
+        result._skipped = skipped
+        return result
+
+    @property
+    def requeued(self) -> int:
+        return int(self)
+
+    @property
+    def skipped(self) -> int:
+        return self._skipped
+
+    def __repr__(self) -> str:
+        return f"RetryResult(requeued={int(self)}, skipped={self._skipped})"
 
 
 class Retry(Exception):

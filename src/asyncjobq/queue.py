@@ -35,7 +35,7 @@ from .errors import (
     reason,
 )
 from .hooks import Hooks, Middleware
-from .job import MAX_DELAY, STATUSES, JobInfo
+from .job import MAX_DELAY, STATUSES, JobInfo, RetryResult
 from .task import Backoff, Handler, Task
 
 
@@ -387,19 +387,28 @@ class Queue:
 
     async def retry_failed(
         self, queue: str | None = None, task: str | None = None, error_like: str | None = None
-    ) -> int:
-        """Requeue dead-lettered (failed) jobs, attempts reset; returns how many."""
+    ) -> RetryResult:
+        """Requeue dead-lettered (failed) jobs, attempts reset; returns how many (an int), with
+        `.skipped`: the matching ones left failed because their dedup_key is taken (by a
+        queued or running job, or by the newest failed job of that key, requeued instead)."""
         for what, value in (("queue", queue), ("task", task), ("error_like", error_like)):
             if value is not None and (not isinstance(value, str) or not _storable(value)):
                 raise ConfigurationError(f"{what}={value!r}: use a string without NUL or "
                                          "unpaired surrogates, or None")
-        async with self._conn(None) as c:
-            cur = await c.execute(
-                self.sql.job_retry_failed,
-                {"queue": queue, "task": task, "error_like": error_like, "channel": self.channel},
-            )
-            row = await cur.fetchone()
-        return int(row[0]) if row else 0
+        params = {"queue": queue, "task": task, "error_like": error_like,
+                  "channel": self.channel}
+        for _ in range(10):
+            try:
+                async with self._conn(None) as c:
+                    cur = await c.execute(self.sql.job_retry_failed, params)
+                    row = await cur.fetchone()
+            except psycopg.errors.UniqueViolation:
+                # A job with one of the keys was enqueued after the statement's snapshot:
+                # nothing was requeued; the next snapshot sees that job and skips its key.
+                continue
+            return RetryResult(int(row[0]), int(row[1])) if row else RetryResult()
+        raise AsyncJobQError("retry_failed kept racing with enqueues of the same dedup_keys: "
+                             "try again")
 
     async def leader(self) -> dict[str, Any] | None:
         """The worker leading this schema's maintenance (leader.py): {"worker", "since",

@@ -77,20 +77,32 @@ class AdminStatements(Role):
 
     @property
     def job_retry_failed(self) -> sql.Composed:
-        # A failed job whose dedup_key is held by a live job stays failed: requeueing it would
-        # break the one-live-job-per-key rule.
+        # At most one queued-or-running job per dedup_key (jobs_dedup_idx): of the matching
+        # failed jobs sharing a key, only the newest is requeued, and none while a live job
+        # holds the key; the others stay failed and are counted as skipped. A live job
+        # committed after this statement's snapshot still raises UniqueViolation: the caller
+        # runs it again, and the next snapshot sees that job.
         return _q(
-            "WITH requeued AS ("
-            " UPDATE {s}.jobs j SET status = 'queued', attempts = 0, run_at = now(),"
-            "   finished_at = NULL"
+            "WITH matching AS ("
+            " SELECT j.id, j.dedup_key FROM {s}.jobs j"
             " WHERE j.status = 'failed'"
             "   AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)"
             "   AND (%(task)s::text IS NULL OR j.task = %(task)s)"
-            "   AND (%(error_like)s::text IS NULL OR j.last_error LIKE %(error_like)s)"
-            "   AND (j.dedup_key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.jobs o"
-            "        WHERE o.dedup_key = j.dedup_key AND o.status IN ('queued', 'running')))"
+            "   AND (%(error_like)s::text IS NULL OR j.last_error LIKE %(error_like)s)),"
+            " chosen AS ("
+            " SELECT id FROM matching WHERE dedup_key IS NULL"
+            " UNION ALL"
+            " SELECT n.id FROM (SELECT DISTINCT ON (dedup_key) id, dedup_key FROM matching"
+            "   WHERE dedup_key IS NOT NULL ORDER BY dedup_key, id DESC) n"
+            " WHERE NOT EXISTS (SELECT 1 FROM {s}.jobs o WHERE o.dedup_key = n.dedup_key"
+            "   AND o.status IN ('queued', 'running'))),"
+            " requeued AS ("
+            " UPDATE {s}.jobs j SET status = 'queued', attempts = 0, run_at = now(),"
+            "   finished_at = NULL"
+            " FROM chosen WHERE j.id = chosen.id AND j.status = 'failed'"
             " RETURNING j.queue)"
             " SELECT (SELECT count(*) FROM requeued),"
+            " (SELECT count(*) FROM matching) - (SELECT count(*) FROM requeued),"
             " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
             "   'queue', queue, 'run_at', extract(epoch FROM now()))::text)"
             "   FROM (SELECT DISTINCT queue FROM requeued) d) n)",

@@ -1,0 +1,75 @@
+"""Correctness at the edges (issue 17, items 4, 5, 8a, 8b): retry_failed with shared dedup keys,
+enqueue refusing a sync connection, doctor's index fixes, the hot-table vacuum's lock on stop."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import execute, fetchval, run_cli
+
+from asyncjobq import Queue
+
+# --- 4. retry_failed and dedup keys ------------------------------------------------------------
+
+
+async def fail(queue: Queue, job_id: int, error: str = "boom") -> None:
+    await execute(queue, "UPDATE {s}.jobs SET status = 'failed', attempts = max_attempts,"
+                         " last_error = %s, finished_at = now() WHERE id = %s", error, job_id)
+
+
+async def failed_runs_of_a_periodic_job(queue: Queue, key: str, runs: int) -> list[int]:
+    """What a periodic job with a dedup_key that keeps failing leaves: one failed row per run."""
+    ids = []
+    for _ in range(runs):
+        job_id = await queue.enqueue("nightly", {}, dedup_key=key)
+        await fail(queue, job_id)
+        ids.append(job_id)
+    return ids
+
+
+async def status_of(queue: Queue, *ids: int) -> list[str]:
+    return [info.status if (info := await queue.get(i)) else "gone" for i in ids]
+
+
+async def test_retry_failed_requeues_the_newest_failed_job_of_each_dedup_key(
+        queue: Queue) -> None:
+    nightly = await failed_runs_of_a_periodic_job(queue, "nightly", 3)
+    hourly = await failed_runs_of_a_periodic_job(queue, "hourly", 2)
+    plain = await queue.enqueue("t", {})
+    await fail(queue, plain)
+
+    retried = await queue.retry_failed()
+
+    assert retried == 3 and retried.requeued == 3 and retried.skipped == 3
+    assert await status_of(queue, *nightly) == ["failed", "failed", "queued"]
+    assert await status_of(queue, *hourly) == ["failed", "queued"]
+    assert await status_of(queue, plain) == ["queued"]
+    # The older runs stay dead-lettered, as they were; once the requeued one is done, they can
+    # be retried in turn (again the newest first).
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'failed'"
+                                 " AND attempts = max_attempts") == 3
+
+
+async def test_retry_failed_leaves_a_failed_job_whose_dedup_key_is_live(queue: Queue) -> None:
+    [old] = await failed_runs_of_a_periodic_job(queue, "nightly", 1)
+    live = await queue.enqueue("nightly", {}, dedup_key="nightly")
+
+    retried = await queue.retry_failed()
+
+    assert (retried, retried.requeued, retried.skipped) == (0, 0, 1)
+    assert await status_of(queue, old, live) == ["failed", "queued"]
+
+
+async def test_cli_retry_failed_says_which_jobs_it_left_failed(queue: Queue,
+                                                                pg_dsn: str) -> None:
+    await failed_runs_of_a_periodic_job(queue, "nightly", 3)
+
+    r = run_cli("retry-failed", "--schema", queue.schema, dsn=pg_dsn)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("requeued 1 failed job(s); left 2 failed"), r.stdout
+    assert "dedup_key" in r.stdout
+
+    r = run_cli("retry-failed", "--json", "--schema", queue.schema, dsn=pg_dsn)
+    assert r.returncode == 0, r.stderr
+    # The requeued one is live now: the other two keep waiting behind it.
+    assert json.loads(r.stdout) == {"requeued": 0, "skipped": 2}
