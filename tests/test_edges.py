@@ -4,10 +4,13 @@ enqueue refusing a sync connection, doctor's index fixes, the hot-table vacuum's
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 
+import psycopg
+import pytest
 from conftest import execute, fetchval, run_cli
 
-from asyncjobq import Queue
+from asyncjobq import ConfigurationError, Job, Queue
 
 # --- 4. retry_failed and dedup keys ------------------------------------------------------------
 
@@ -73,3 +76,36 @@ async def test_cli_retry_failed_says_which_jobs_it_left_failed(queue: Queue,
     assert r.returncode == 0, r.stderr
     # The requeued one is live now: the other two keep waiting behind it.
     assert json.loads(r.stdout) == {"requeued": 0, "skipped": 2}
+
+
+# --- 5. enqueue(conn=) takes an AsyncConnection only -------------------------------------------
+
+
+async def test_enqueue_refuses_a_sync_connection_before_writing(queue: Queue,
+                                                                pg_dsn: str) -> None:
+    @queue.task(name="t")
+    async def handler(job: Job) -> None: ...
+
+    with psycopg.connect(pg_dsn) as sync_conn:
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: queue.enqueue("t", {}, conn=sync_conn),  # type: ignore[arg-type]
+            lambda: queue.enqueue("t", {}, dedup_key="k", conn=sync_conn),  # type: ignore[arg-type]
+            lambda: queue.enqueue_many("t", [{}], conn=sync_conn),  # type: ignore[arg-type]
+            lambda: handler.enqueue({}, conn=sync_conn),  # type: ignore[arg-type]
+            lambda: queue.enqueue("t", {}, conn=queue.pool),  # type: ignore[arg-type]
+        ]
+        errors = []
+        with sync_conn.transaction():
+            for call in calls:
+                # Whatever is raised, the caller's transaction goes on and commits, as a
+                # caller that handles the error and retries would have it.
+                with pytest.raises(Exception) as caught:
+                    await call()
+                errors.append(caught.value)
+    # Refused before any I/O: nothing was written in the committed transaction.
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 0
+    for error in errors:
+        assert isinstance(error, ConfigurationError), repr(error)
+        assert "AsyncConnection" in str(error) and "queue.connection()" in str(error)
+    assert "a sync psycopg.Connection" in str(errors[0])
+    assert "pool.connection()" in str(errors[-1])

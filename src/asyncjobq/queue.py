@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ._db import migrations
 from ._db.database import NOT_OPEN, Conn, Database, storable
@@ -32,6 +32,7 @@ from .errors import (
     ConfigurationError,
     InvalidPayloadError,
     QueueClosedError,
+    a_or_an,
     reason,
 )
 from .hooks import Hooks, Middleware
@@ -265,6 +266,7 @@ class Queue:
         With `conn=`, the job is written in that connection's transaction: it exists, and wakes
         workers, only if that transaction commits.
         """
+        _check_conn(conn)
         name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
         body = _encode_payload(payload)
         when, secs = _schedule(run_at, delay)
@@ -323,6 +325,7 @@ class Queue:
         conn: Conn | None = None,
     ) -> list[int]:
         """Add many jobs of one task in a single statement; returns their ids in order."""
+        _check_conn(conn)
         name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
         if isinstance(payloads, dict | str | bytes):
             raise InvalidPayloadError(
@@ -571,6 +574,23 @@ def _schedule(
             raise ConfigurationError(f"delay={delay!r} is over 10,000 years: use a run_at or a "
                                      "shorter delay")
     return run_at, float(secs)
+
+
+def _check_conn(conn: object) -> None:
+    # A sync connection runs the INSERT (blocking the event loop) and only then fails to be
+    # awaited: the job exists in the caller's transaction while they see an error, and retry.
+    if conn is None or isinstance(conn, psycopg.AsyncConnection):
+        return
+    if isinstance(conn, psycopg.Connection):
+        got = "a sync psycopg.Connection, which would block the event loop"
+    elif isinstance(conn, AsyncConnectionPool | ConnectionPool):
+        got = f"a pool ({type(conn).__name__}): take a connection from it"
+    else:
+        got = a_or_an(type(conn).__name__)
+    raise ConfigurationError(
+        f"conn= takes a psycopg.AsyncConnection, got {got}: pass one from `async with "
+        "queue.connection() as conn` or from your async pool (`async with pool.connection() "
+        "as conn`), or leave conn=None to enqueue in a transaction of its own")
 
 
 def _check_int(what: str, value: object, bits: int = 32) -> None:
