@@ -4,6 +4,7 @@ enqueue refusing a sync connection, doctor's index fixes, the hot-table vacuum's
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 
 import psycopg
@@ -11,6 +12,8 @@ import pytest
 from conftest import execute, fetchval, run_cli
 
 from asyncjobq import ConfigurationError, Job, Queue
+from asyncjobq._db import migrations
+from asyncjobq.doctor import PROBLEM, Report, diagnose
 
 # --- 4. retry_failed and dedup keys ------------------------------------------------------------
 
@@ -109,3 +112,74 @@ async def test_enqueue_refuses_a_sync_connection_before_writing(queue: Queue,
         assert "AsyncConnection" in str(error) and "queue.connection()" in str(error)
     assert "a sync psycopg.Connection" in str(errors[0])
     assert "pool.connection()" in str(errors[-1])
+
+
+# --- 8a. doctor's fix for an index: CONCURRENTLY -------------------------------------------------
+
+
+def index_fixes(report: Report) -> dict[str, str]:
+    return {f.message: f.advice for f in report.findings
+            if f.check == "indexes" and f.level == PROBLEM}
+
+
+def advised_statements(advice: str) -> list[str]:
+    """The statements of a fix, as a user copies them out of doctor's advice."""
+    return [m.strip() for m in re.findall(r"(?:CREATE|DROP) [^;]*", advice)]
+
+
+async def run_outside_a_transaction(pg_dsn: str, statement: str) -> None:
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        await conn.execute(statement.encode())
+
+
+async def assert_indexes_present_and_valid(queue: Queue) -> None:
+    report = await diagnose(queue)
+    assert index_fixes(report) == {}
+    valid = {i["index"] for i in report.indexes if i["valid"]}
+    assert set(migrations.expected_indexes()) <= valid
+
+
+async def test_doctor_fixes_a_missing_index_with_create_index_concurrently(
+        queue: Queue, pg_dsn: str) -> None:
+    expected = migrations.expected_indexes()  # plain, partial, UNIQUE partial, BRIN
+    for index in expected:
+        await execute(queue, f"DROP INDEX {{s}}.{index}")
+
+    fixes = index_fixes(await diagnose(queue))
+
+    assert len(fixes) == len(expected), fixes
+    advised = []
+    for message, advice in fixes.items():
+        assert "is missing" in message
+        [statement] = advised_statements(advice)
+        # A plain CREATE INDEX locks out every claim, completion and heartbeat for the whole
+        # build; past the lease, the reaper then requeues healthy running jobs.
+        assert re.match(r"CREATE (UNIQUE )?INDEX CONCURRENTLY ", statement), advice
+        await run_outside_a_transaction(pg_dsn, statement)
+        advised.append(statement)
+    assert any(s.startswith("CREATE UNIQUE INDEX CONCURRENTLY") for s in advised)
+    await assert_indexes_present_and_valid(queue)
+
+
+async def test_doctor_fixes_an_invalid_index_by_dropping_and_recreating_it_concurrently(
+        queue: Queue, pg_dsn: str) -> None:
+    await execute(queue, "DROP INDEX {s}.jobs_dedup_idx")
+    # Without the index, two live jobs can share a key; the advised CREATE UNIQUE INDEX
+    # CONCURRENTLY then fails half-way and leaves an invalid index of the expected name.
+    first = await fetchval(queue, "INSERT INTO {s}.jobs (task, payload, dedup_key)"
+                                  " VALUES ('t', '{{}}', 'k'), ('t', '{{}}', 'k') RETURNING id")
+    [advice] = index_fixes(await diagnose(queue)).values()
+    [create] = advised_statements(advice)
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        await run_outside_a_transaction(pg_dsn, create)
+
+    [(message, advice)] = index_fixes(await diagnose(queue)).items()
+
+    assert "jobs_dedup_idx" in message and "invalid" in message
+    statements = advised_statements(advice)
+    assert [s.split(" ON ")[0].split(" IF EXISTS ")[0] for s in statements] == [
+        "DROP INDEX CONCURRENTLY", 'CREATE UNIQUE INDEX CONCURRENTLY "jobs_dedup_idx"'], advice
+    await execute(queue, "DELETE FROM {s}.jobs WHERE id = %s", first)
+    for statement in statements:
+        await run_outside_a_transaction(pg_dsn, statement)
+    await assert_indexes_present_and_valid(queue)

@@ -233,7 +233,8 @@ async def test_doctor_finds_a_missing_index(queue: Queue) -> None:
     await execute(queue, "DROP INDEX {s}.jobs_dequeue_idx")
     [found] = problems(await diagnose(queue), "indexes")
     assert "jobs_dequeue_idx" in found and "missing" in found
-    assert "CREATE INDEX jobs_dequeue_idx ON jobs (queue, priority DESC, run_at, id)" in found
+    assert (f'CREATE INDEX CONCURRENTLY "jobs_dequeue_idx" ON "{queue.schema}"."jobs"'
+            " (queue, priority DESC, run_at, id) WHERE status = 'queued'") in found
 
 
 async def test_doctor_finds_a_transaction_pinning_the_xmin_horizon(queue: Queue,

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from psycopg import sql
+
 from ._db import migrations
 from .queue import Queue
 
@@ -109,6 +111,14 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
             _check_table(report, qs, table, int(live), int(dead), autovac, list(options), now)
 
         expected = migrations.expected_indexes()
+
+        def fix(*statements: sql.Composable) -> str:
+            # CONCURRENTLY refuses a transaction, and so a multi-statement string; it builds
+            # without blocking claims, completions or heartbeats.
+            how = "run outside a transaction" + (", one at a time" if len(statements) > 1
+                                                 else "")
+            return f"{how}: " + "; then ".join(s.as_string(conn) for s in statements)
+
         present = set()
         cur = await conn.execute(st.doctor_index_stats)
         for table, index, valid, size, scans in await cur.fetchall():
@@ -117,14 +127,25 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
                                    "bytes": int(size), "scans": int(scans),
                                    "bytes_per_live_row": round(size / max(1, live_rows.get(
                                        table, 0)), 1)})
-            _check_index(report, qs, index, bool(valid), int(size), live_rows.get(table, 0))
-        for index, (table, create) in sorted(expected.items()):
+            if valid:
+                rebuild = ""
+            elif index in expected:
+                # REINDEX would rebuild it as it is; dropping and creating it again restores
+                # the migrations' definition, whatever the interrupted build was making.
+                rebuild = fix(st.index_drop_concurrently(index),
+                              st.index_create_concurrently(expected[index]))
+            elif _REINDEX_LEFTOVER.search(index):
+                rebuild = fix(st.index_drop_concurrently(index))
+            else:
+                rebuild = fix(st.index_reindex_concurrently(index))
+            _check_index(report, qs, index, bool(valid), int(size), live_rows.get(table, 0),
+                         rebuild)
+        for index, definition in sorted(expected.items()):
             if index not in present:
                 report.add("indexes", PROBLEM,
-                           f"index {index} on {qs}.{table} is missing"
-                           + (": every claim scans the whole table" if index ==
-                              "jobs_dequeue_idx" else ""),
-                           f"recreate it: SET search_path TO \"{qs}\"; {create}")
+                           f"index {index} on {qs}.{definition.table} is missing"
+                           + _WITHOUT_INDEX.get(index, ""),
+                           fix(st.index_create_concurrently(definition)))
         if not [f for f in report.findings if f.check == "indexes"]:
             report.add("indexes", OK, f"all {len(expected)} indexes present and valid")
 
@@ -181,13 +202,24 @@ def _check_table(report: Report, qs: str, table: str, live: int, dead: int,
                    f"{_ago(autovac, now)}")
 
 
+# What an interrupted REINDEX CONCURRENTLY leaves beside the index it was rebuilding.
+_REINDEX_LEFTOVER = re.compile(r"_cc(new|old)\d*$")
+
+
+# What the queue does while an index of the migrations is missing or invalid.
+_WITHOUT_INDEX = {
+    "jobs_dequeue_idx": ": every claim scans the whole table",
+    "jobs_dedup_idx": ": every enqueue with a dedup_key fails (ON CONFLICT has no index)",
+}
+
+
 def _check_index(report: Report, qs: str, index: str, valid: bool, size: int,
-                 live: int) -> None:
+                 live: int, rebuild: str) -> None:
     if not valid:
         report.add("indexes", PROBLEM,
                    f"index {qs}.{index} is invalid (an interrupted CREATE/REINDEX "
-                   "CONCURRENTLY): the planner ignores it",
-                   f"REINDEX INDEX CONCURRENTLY \"{qs}\".{index}")
+                   "CONCURRENTLY): the planner ignores it" + _WITHOUT_INDEX.get(index, ""),
+                   rebuild)
     elif size > max(INDEX_BLOAT_MIN_BYTES, INDEX_BLOAT_FACTOR * INDEX_BYTES_PER_ROW * live):
         report.add("index size", WARNING,
                    f"index {qs}.{index} is {_mb(size)} for {live} live rows "

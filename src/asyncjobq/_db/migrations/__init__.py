@@ -13,7 +13,7 @@ import psycopg
 from psycopg import sql
 
 from ...errors import SchemaNotInstalledError, SchemaVersionError
-from ..sql import statements
+from ..sql import IndexDefinition, statements
 
 _NAME_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -39,16 +39,17 @@ def available() -> list[Migration]:
 
 
 _INDEX_RE = re.compile(
-    r"CREATE\s+(?:UNIQUE\s+)?INDEX\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)\s+ON\s+(\w+)[^;]*;",
+    r"CREATE\s+(UNIQUE\s+)?INDEX\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)\s+ON\s+(\w+)\s+([^;]*);",
     re.IGNORECASE)
 
 
-def expected_indexes() -> dict[str, tuple[str, str]]:
-    """{index name: (table, CREATE INDEX statement)} as the migrations create them."""
-    found: dict[str, tuple[str, str]] = {}
+def expected_indexes() -> dict[str, IndexDefinition]:
+    """{index name: its definition} as the migrations create them."""
+    found: dict[str, IndexDefinition] = {}
     for m in available():
         for match in _INDEX_RE.finditer(m.text):
-            found[match.group(1)] = (match.group(2), " ".join(match.group(0).split()))
+            unique, name, table, definition = match.groups()
+            found[name] = IndexDefinition(name, table, bool(unique), " ".join(definition.split()))
     return found
 
 

@@ -13,11 +13,12 @@ from functools import cache
 
 from .admin import AdminStatements
 from .claim import WorkerStatements
-from .common import CLAIM_COLUMNS, HISTORY_COLUMNS, INFO_COLUMNS
+from .common import CLAIM_COLUMNS, HISTORY_COLUMNS, INFO_COLUMNS, IndexDefinition
 from .enqueue import EnqueueStatements
 from .maintenance import MaintenanceStatements
 
-__all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "Statements", "statements"]
+__all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition", "Statements",
+           "statements"]
 
 
 @dataclass(frozen=True)

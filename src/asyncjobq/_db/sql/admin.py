@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from .common import HISTORY_COLUMNS, INFO_COLUMNS, Role, _advisory_xact_lock, _q
+from .common import (
+    HISTORY_COLUMNS,
+    INFO_COLUMNS,
+    IndexDefinition,
+    Role,
+    _advisory_xact_lock,
+    _q,
+)
 
 
 class AdminStatements(Role):
@@ -179,6 +186,27 @@ class AdminStatements(Role):
             "SELECT slot_name, active, greatest(age(xmin), age(catalog_xmin))"
             " FROM pg_replication_slots WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL"
         )
+
+    # --- doctor: the fixes it advises (shown to the user, never run by asyncjobq) -------------
+
+    def index_create_concurrently(self, index: IndexDefinition) -> sql.Composed:
+        # CONCURRENTLY: a plain CREATE INDEX holds a SHARE lock on the table for the whole
+        # build, stopping every claim, completion and heartbeat (past the lease, the reaper
+        # then requeues healthy running jobs). One statement, schema-qualified, since
+        # CONCURRENTLY refuses to run in a transaction, which a multi-statement string is.
+        return sql.SQL("CREATE {unique}INDEX CONCURRENTLY {name} ON {s}.{table} {definition}"
+                       ).format(unique=sql.SQL("UNIQUE " if index.unique else ""),
+                                name=sql.Identifier(index.name), s=sql.Identifier(self.schema),
+                                table=sql.Identifier(index.table),
+                                definition=sql.SQL(index.definition))
+
+    def index_drop_concurrently(self, index: str) -> sql.Composed:
+        return sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {s}.{name}").format(
+            s=sql.Identifier(self.schema), name=sql.Identifier(index))
+
+    def index_reindex_concurrently(self, index: str) -> sql.Composed:
+        return sql.SQL("REINDEX INDEX CONCURRENTLY {s}.{name}").format(
+            s=sql.Identifier(self.schema), name=sql.Identifier(index))
 
     @property
     def doctor_server(self) -> sql.SQL:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from psycopg import sql
 
 # Columns returned to the worker by a claim, in this order (see fetcher.ClaimedJob).
@@ -16,6 +18,17 @@ HISTORY_COLUMNS = (
     "id, queue, task, payload, status, priority, run_at, attempts, max_attempts, "
     "dedup_key, locked_by, last_error, created_at, finished_at"
 )
+
+
+@dataclass(frozen=True)
+class IndexDefinition:
+    """An index as a migration creates it: `CREATE [UNIQUE] INDEX name ON table definition`,
+    where `definition` ([USING method] (columns) [WHERE predicate]) names only columns."""
+
+    name: str
+    table: str
+    unique: bool
+    definition: str
 
 
 def _q(template: str, schema: str) -> sql.Composed:
