@@ -3,16 +3,21 @@ enqueue refusing a sync connection, doctor's index fixes, the hot-table vacuum's
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable
 
+import anyio
 import psycopg
 import pytest
-from conftest import execute, fetchval, run_cli
+from conftest import execute, fetchval, run_cli, wait_for
+from psycopg.conninfo import make_conninfo
 
 from asyncjobq import ConfigurationError, Job, Queue
 from asyncjobq._db import migrations
+from asyncjobq._maintenance.services import ServiceRunner
+from asyncjobq._maintenance.vacuum import HotTableVacuum
 from asyncjobq.doctor import PROBLEM, Report, diagnose
 
 # --- 4. retry_failed and dedup keys ------------------------------------------------------------
@@ -183,3 +188,69 @@ async def test_doctor_fixes_an_invalid_index_by_dropping_and_recreating_it_concu
     for statement in statements:
         await run_outside_a_transaction(pg_dsn, statement)
     await assert_indexes_present_and_valid(queue)
+
+
+# --- 8b. the hot-table vacuum's session lock when a stop cancels it -----------------------------
+
+# Holders of the vacuum's session advisory lock (a bigint key: its halves in classid, objid).
+VACUUM_LOCK_HOLDERS = (
+    "SELECT coalesce(array_agg(pid ORDER BY pid), '{{}}') FROM pg_locks"
+    " WHERE locktype = 'advisory' AND objsubid = 1 AND granted"
+    "   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    "   AND classid = ((hashtext(%s)::bigint >> 32) & 4294967295)::oid"
+    "   AND objid = (hashtext(%s)::bigint & 4294967295)::oid")
+
+
+@pytest.mark.parametrize("stop", ["worker stop", "task cancel"])
+async def test_a_stop_mid_vacuum_leaves_the_vacuum_lock_free(queue: Queue, pg_dsn: str,
+                                                             stop: str) -> None:
+    key = f"asyncjobq.vacuum.{queue.schema}"
+    await execute(queue, "ALTER TABLE {s}.jobs SET (autovacuum_enabled = false)")
+    await queue.enqueue_many("t", [{"i": i} for i in range(5000)])
+    await execute(queue, "DELETE FROM {s}.jobs")
+    # A VACUUM that runs for seconds: the cost-based delay sleeps at every page. (A lock held
+    # on the table would not hold it up: it runs with SKIP_LOCKED and would skip the table.)
+    app = f"vacuum-{queue.schema}"
+    slow_dsn = make_conninfo(pg_dsn, options="-c vacuum_cost_delay=100 -c vacuum_cost_limit=1")
+
+    async def vacuuming() -> int | None:
+        return await fetchval(  # type: ignore[no-any-return]
+            queue, "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+                   " AND state = 'active' AND query LIKE 'VACUUM%%'", app)
+
+    async with Queue(slow_dsn, schema=queue.schema, pool_min_size=1, pool_max_size=1,
+                     application_name=app) as slow:
+        vacuum = HotTableVacuum(slow.database, interval=0.05)
+        if stop == "worker stop":
+            # Worker.stop cancels its services' task group: anyio cancels every await in it
+            # again and again, psycopg's own cancellation of the VACUUM included.
+            async with anyio.create_task_group() as services:
+                services.start_soon(ServiceRunner([vacuum]).run)
+                await wait_for(vacuuming, timeout=40, what="the vacuum to start")
+                pid = await vacuuming()
+                assert await fetchval(queue, VACUUM_LOCK_HOLDERS, key, key) == [pid]
+                services.cancel_scope.cancel()
+        else:
+            # Cancelled once, psycopg cancels the VACUUM on the server and keeps the connection.
+            await wait_for(lambda: fetchval(
+                queue, "SELECT n_dead_tup >= 1000 FROM pg_stat_user_tables WHERE relid = %s"
+                       "::regclass", f'"{queue.schema}".jobs'), what="the dead rows counted")
+            turn = asyncio.create_task(vacuum.turn())
+            await wait_for(vacuuming, timeout=40, what="the vacuum to start")
+            pid = await vacuuming()
+            turn.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await turn
+
+        async def lock_free() -> bool:
+            return await fetchval(queue, VACUUM_LOCK_HOLDERS, key, key) == []
+
+        # Left held, no worker could vacuum again until that session ends.
+        await wait_for(lock_free, timeout=10, what="the vacuum lock to be released")
+        async with slow.connection() as conn:  # the pool's one connection
+            cur = await conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                                     " AND pid = pg_backend_pid()")
+            assert await cur.fetchone() == (0,)
+            if stop == "task cancel":
+                assert conn.info.backend_pid == pid  # unlocked, and kept in the pool
+        assert vacuum.vacuums == 0

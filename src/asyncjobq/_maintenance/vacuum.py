@@ -8,13 +8,21 @@ jobs, so vacuuming it takes milliseconds: each worker checks every `interval` se
 statistics read) and one of them vacuums when enough rows are dead.
 A worker role that does not own the table may not vacuum it; the worker then logs so once and
 leaves the table to autovacuum.
+The lock that keeps two workers from vacuuming at once is a session lock (VACUUM cannot run in
+a transaction): a turn cut short, by a stop or its timeout, still releases it, or ends the
+session holding it, rather than leave it held and no worker vacuuming again.
 """
 
 from __future__ import annotations
 
 import logging
 
-from .._db.database import Database
+import anyio
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from .._db.database import Conn, Database
+from ..errors import QueueClosedError, reason
 from .services import Service
 
 log = logging.getLogger("asyncjobq.vacuum")
@@ -23,6 +31,8 @@ log = logging.getLogger("asyncjobq.vacuum")
 # only once a minute). A claim reads about one index page per ~200 dead entries it passes.
 MIN_DEAD = 1000
 DEAD_FRACTION = 0.05
+# How long a stopped turn may take to release the lock (it delays the worker's stop).
+RELEASE_TIMEOUT = 5.0
 
 
 class HotTableVacuum(Service):
@@ -40,30 +50,82 @@ class HotTableVacuum(Service):
     async def turn(self) -> bool:
         """Vacuum the jobs table if it needs it and no other worker is; True if it ran."""
         st = self._db.sql
-        async with self._db.connection() as conn:
-            cur = await conn.execute(st.job_table_dead_tuples)
-            row = await cur.fetchone()
-            if row is None:
-                return False
-            dead, live, since, may_vacuum = int(row[0]), int(row[1]), row[2], bool(row[3])
-            if not may_vacuum:
-                log.info("this role does not own %s.jobs, so it cannot vacuum it: leaving that "
-                         "to autovacuum (run workers as the owner for a faster claim)",
-                         self._db.schema)
-                self.disabled = True
-                return False
-            if dead < MIN_DEAD + DEAD_FRACTION * live:
-                return False
-            if since is not None and float(since) < self.interval:
-                return False
-            cur = await conn.execute(st.hot_vacuum_try_lock)
-            locked = await cur.fetchone()
-            if not locked or not locked[0]:
-                return False
-            try:
-                await conn.execute(st.job_table_vacuum)
-            finally:
-                await conn.execute(st.hot_vacuum_unlock)
+        abandoned: int | None = None  # the pid of a session that may still hold the lock
+        try:
+            async with self._db.connection() as conn:
+                cur = await conn.execute(st.job_table_dead_tuples)
+                row = await cur.fetchone()
+                if row is None:
+                    return False
+                dead, live, since, may_vacuum = int(row[0]), int(row[1]), row[2], bool(row[3])
+                if not may_vacuum:
+                    log.info("this role does not own %s.jobs, so it cannot vacuum it: leaving "
+                             "that to autovacuum (run workers as the owner for a faster claim)",
+                             self._db.schema)
+                    self.disabled = True
+                    return False
+                if dead < MIN_DEAD + DEAD_FRACTION * live:
+                    return False
+                if since is not None and float(since) < self.interval:
+                    return False
+                pid = conn.info.backend_pid
+                may_hold = True  # from the moment the lock is asked for: its reply may be lost
+                try:
+                    cur = await conn.execute(st.hot_vacuum_try_lock)
+                    locked = await cur.fetchone()
+                    may_hold = bool(locked and locked[0])
+                    if not may_hold:
+                        return False
+                    await conn.execute(st.job_table_vacuum)
+                finally:
+                    if may_hold and not await self._unlock(conn):
+                        # Closed, the pool discards it: no pooled session keeps the lock.
+                        await conn.close()
+                        abandoned = pid
+        finally:
+            if abandoned is not None:
+                await self._end_session(abandoned)
         self.vacuums += 1
         log.debug("vacuumed %s.jobs (%d dead rows)", self._db.schema, dead)
         return True
+
+    async def _unlock(self, conn: Conn) -> bool:
+        """Release the lock on `conn`, even in a turn being cancelled (a stop, the turn's
+        timeout); False when the connection cannot say, or took too long."""
+        # Shielded: in a cancelled scope the unlock would be cancelled too, and a session
+        # holding the lock would go back to the pool, keeping every worker from vacuuming.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
+            # Cancelled mid-VACUUM, psycopg asks the server to cancel it and waits for the
+            # statement to end; cancelled again meanwhile, as anyio does, it closes the
+            # connection instead, while the server goes on with the VACUUM.
+            if conn.closed or conn.info.transaction_status != TransactionStatus.IDLE:
+                return False
+            try:
+                await conn.execute(self._db.sql.hot_vacuum_unlock)
+            except psycopg.Error:
+                return False
+            return True
+        return False
+
+    async def _end_session(self, pid: int) -> None:
+        """End the session of a connection closed while it may hold the lock: the server keeps
+        it until that session ends, which it does only once its VACUUM is over."""
+        failure = f"no answer within {RELEASE_TIMEOUT:g} s"
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
+            try:
+                async with self._db.connection(timeout=RELEASE_TIMEOUT) as conn:
+                    cur = await conn.execute(self._db.sql.hot_vacuum_end_abandoned,
+                                             {"pid": pid})
+                    ended = bool(await cur.fetchall())
+                if ended:
+                    # The server logs it as a FATAL "terminating connection due to
+                    # administrator command": say here what that was.
+                    log.info("stopped mid-VACUUM: ended its session (pid %d) so that it "
+                             "releases the vacuum lock of %s.jobs", pid, self._db.schema)
+                return
+            except (psycopg.Error, QueueClosedError) as e:
+                failure = reason(e)
+        log.warning("a stopped vacuum of %s.jobs left its session (pid %d) running, and it may "
+                    "hold the vacuum lock until its VACUUM is over (%s): if no worker vacuums "
+                    "the table, end it with SELECT pg_terminate_backend(%d)",
+                    self._db.schema, pid, failure, pid)

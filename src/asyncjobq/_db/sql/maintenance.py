@@ -130,15 +130,32 @@ class MaintenanceStatements(Role):
     # --- maintenance: vacuum of the hot table ---------------------------------------------------
 
     @property
+    def _hot_vacuum_key(self) -> sql.Composed:
+        return sql.SQL("hashtext({})").format(sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
+
+    @property
     def hot_vacuum_try_lock(self) -> sql.Composed:
         # Session-scoped (VACUUM cannot run in a transaction); released by hot_vacuum_unlock.
-        return sql.SQL("SELECT pg_try_advisory_lock(hashtext({}))").format(
-            sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
+        return sql.SQL("SELECT pg_try_advisory_lock({})").format(self._hot_vacuum_key)
 
     @property
     def hot_vacuum_unlock(self) -> sql.Composed:
-        return sql.SQL("SELECT pg_advisory_unlock(hashtext({}))").format(
-            sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
+        return sql.SQL("SELECT pg_advisory_unlock({})").format(self._hot_vacuum_key)
+
+    @property
+    def hot_vacuum_end_abandoned(self) -> sql.Composed:
+        # The session of a VACUUM whose connection the client closed mid-statement: the server
+        # notices only once the VACUUM is over, and keeps the lock until then. Only a session
+        # that still holds the lock is ended, so a pid reused meanwhile is never hit. A bigint
+        # advisory key shows in pg_locks as its high half (classid) and low half (objid).
+        return sql.SQL(
+            "SELECT pg_terminate_backend(l.pid) FROM pg_locks l"
+            " WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted"
+            "   AND l.pid = %(pid)s"
+            "   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            "   AND l.classid = (({key}::bigint >> 32) & 4294967295)::oid"
+            "   AND l.objid = ({key}::bigint & 4294967295)::oid"
+        ).format(key=self._hot_vacuum_key)
 
     @property
     def job_table_dead_tuples(self) -> sql.Composed:
