@@ -39,16 +39,20 @@ def available() -> list[Migration]:
 
 
 _INDEX_RE = re.compile(
-    r"CREATE\s+(?:UNIQUE\s+)?INDEX\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)\s+ON\s+(\w+)[^;]*;",
+    r"CREATE\s+(?:UNIQUE\s+)?INDEX\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)\s+ON\s+(\w+)[^;]*;"
+    r"|DROP\s+INDEX\s+(?:IF\s+EXISTS\s+)?(\w+)",
     re.IGNORECASE)
 
 
 def expected_indexes() -> dict[str, tuple[str, str]]:
-    """{index name: (table, CREATE INDEX statement)} as the migrations create them."""
+    """{index name: (table, CREATE INDEX statement)} as the migrations leave them."""
     found: dict[str, tuple[str, str]] = {}
     for m in available():
         for match in _INDEX_RE.finditer(m.text):
-            found[match.group(1)] = (match.group(2), " ".join(match.group(0).split()))
+            if match.group(3):
+                found.pop(match.group(3), None)
+            else:
+                found[match.group(1)] = (match.group(2), " ".join(match.group(0).split()))
     return found
 
 
