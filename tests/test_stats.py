@@ -131,6 +131,33 @@ async def test_stats_reads_no_history_whatever_its_size(queue: Queue) -> None:
             "stats() reads jobs_history: it counts every finished job on every call"
 
 
+async def test_status_reads_only_recent_history(queue: Queue) -> None:
+    """Every statement `status` runs (the schema check, stats, health, leader): history is
+    read only where rows finished in the last minute can be, through the BRIN index."""
+    await execute(queue, fill_history(200_000))
+    await execute(queue, fill_history(300, queues=("recent",), minutes_ago=0))
+    # As autovacuum (with the index's autosummarize) leaves it: every full range summarized.
+    await execute(queue, "VACUUM ANALYZE {s}.jobs_history")
+    pages = await fetchval(queue, "SELECT relpages FROM pg_class WHERE oid = %s::regclass",
+                           f"{queue.schema}.jobs_history")
+    assert pages > 2000
+    with recorded_statements() as seen:
+        async with queue.connection() as conn:
+            await migrations.check(conn, queue.schema)
+        health = await queue.health()
+        await queue.stats()
+        await queue.leader()
+    assert health["recent"]["done_last_minute"] == 255
+    assert "a" not in health, "a queue with no recent history and no live job is not listed"
+    for query, params in seen:
+        reads = await history_reads(queue, query, params)
+        assert all(kind != "Seq Scan" for kind, _, _ in reads), (str(query), reads)
+        # The ranges (128 pages each) that hold the last minute's rows, not the table; the
+        # last minute's rows, not the index's every entry.
+        assert sum(blocks for _, blocks, _ in reads) < 400, (str(query), reads, pages)
+        assert sum(rows for _, _, rows in reads) <= 300, (str(query), reads)
+
+
 # --- exact -----------------------------------------------------------------------------------
 
 
