@@ -1,4 +1,5 @@
-"""Retention: deletes finished jobs from jobs_history once older than their queue's retention.
+"""Retention: deletes finished jobs from jobs_history once older than their queue's retention,
+and folds the shards of history's counts (0003_history_counts.sql).
 
 Pruning runs in bounded batches, each its own short transaction, so it never holds locks for
 long nor a snapshot that would stop vacuum. Failed (dead-lettered) jobs are never pruned by
@@ -111,6 +112,16 @@ async def prune_history(db: Database, retention: Retention, *, batch: int = PRUN
     return total
 
 
+async def fold_history_counts(db: Database) -> None:
+    """Sum the writers' shards of history_counts into one row per (queue, status) and drop
+    queues whose history is gone: stats() then reads one row per queue and status instead of
+    up to 65. Exact at any time; safe beside writers and another fold."""
+    async with db.connection() as conn:
+        with db.translate_errors():
+            await conn.execute(db.sql.history_counts_fold)
+            await conn.execute(db.sql.history_counts_delete_empty)
+
+
 async def prune_failed(db: Database, older_than: float, *, only_queue: str | None = None,
                        batch: int = PRUNE_BATCH) -> dict[str, int]:
     """Delete failed jobs that finished more than `older_than` seconds ago."""
@@ -141,6 +152,7 @@ class Pruner(Service):
     async def turn(self) -> dict[str, int]:
         deleted = await prune_history(self._db, self._retention,
                                       max_batches=MAX_BATCHES_PER_TURN)
+        await fold_history_counts(self._db)
         if deleted:
             self.pruned += sum(deleted.values())
             log.info("pruned finished jobs past retention: %s",

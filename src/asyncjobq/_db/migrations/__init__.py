@@ -39,17 +39,22 @@ def available() -> list[Migration]:
 
 
 _INDEX_RE = re.compile(
-    r"CREATE\s+(UNIQUE\s+)?INDEX\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)\s+ON\s+(\w+)\s+([^;]*);",
+    r"CREATE\s+(UNIQUE\s+)?INDEX\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)\s+ON\s+(\w+)\s+([^;]*);"
+    r"|DROP\s+INDEX\s+(?:IF\s+EXISTS\s+)?(\w+)",
     re.IGNORECASE)
 
 
 def expected_indexes() -> dict[str, IndexDefinition]:
-    """{index name: its definition} as the migrations create them."""
+    """{index name: its definition} as the migrations leave them (created, not dropped since)."""
     found: dict[str, IndexDefinition] = {}
     for m in available():
         for match in _INDEX_RE.finditer(m.text):
-            unique, name, table, definition = match.groups()
-            found[name] = IndexDefinition(name, table, bool(unique), " ".join(definition.split()))
+            unique, name, table, definition, dropped = match.groups()
+            if dropped:
+                found.pop(dropped, None)
+            else:
+                found[name] = IndexDefinition(name, table, bool(unique),
+                                              " ".join(definition.split()))
     return found
 
 

@@ -58,27 +58,37 @@ class AdminStatements(Role):
 
     @property
     def job_count_by_queue_status(self) -> sql.Composed:
+        # History is not counted here but read from the counts its triggers keep
+        # (0003_history_counts.sql): a few rows per queue, whatever the history's size. The
+        # live table is counted: it holds only queued, running and failed jobs.
         return _q(
             "SELECT queue, status::text, count(*) FROM {s}.jobs GROUP BY 1, 2"
             " UNION ALL"
-            " SELECT queue, status::text, count(*) FROM {s}.jobs_history GROUP BY 1, 2",
+            " SELECT queue, status::text, sum(n) FROM {s}.history_counts GROUP BY 1, 2"
+            " HAVING sum(n) <> 0",
             self.schema,
         )
 
     @property
     def queue_health(self) -> sql.Composed:
         # For `status`: oldest due queued job, stale running rows, completions in the last minute.
+        # History is read once, for the last minute only: the BRIN index on finished_at limits
+        # the scan to the ranges holding recent rows. A per-queue count of recent done rows
+        # let the planner AND that index with the (since dropped) (queue, status) one, which
+        # read every done row of each queue.
         return _q(
-            "SELECT q.queue,"
+            "WITH recent AS ("
+            "  SELECT queue, count(*) FILTER (WHERE status = 'done') AS done"
+            "  FROM {s}.jobs_history WHERE finished_at > now() - interval '1 minute'"
+            "  GROUP BY queue)"
+            " SELECT q.queue,"
             " (SELECT extract(epoch FROM now() - min(j.run_at)) FROM {s}.jobs j"
             "   WHERE j.queue = q.queue AND j.status = 'queued' AND j.run_at <= now()),"
             " (SELECT count(*) FROM {s}.jobs j WHERE j.queue = q.queue AND j.status = 'running'"
             "   AND j.locked_at < now() - make_interval(secs => %s)),"
-            " (SELECT count(*) FROM {s}.jobs_history h WHERE h.queue = q.queue"
-            "   AND h.status = 'done' AND h.finished_at > now() - interval '1 minute')"
-            " FROM (SELECT DISTINCT queue FROM {s}.jobs"
-            "       UNION SELECT DISTINCT queue FROM {s}.jobs_history"
-            "       WHERE finished_at > now() - interval '1 minute') q",
+            " coalesce(r.done, 0)"
+            " FROM (SELECT DISTINCT queue FROM {s}.jobs UNION SELECT queue FROM recent) q"
+            " LEFT JOIN recent r ON r.queue = q.queue",
             self.schema,
         )
 

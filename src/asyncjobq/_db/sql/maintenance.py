@@ -113,6 +113,32 @@ class MaintenanceStatements(Role):
         )
 
     @property
+    def history_counts_fold(self) -> sql.Composed:
+        # The writers' shards (1..64) summed into shard 0, in one statement so that stats()
+        # sees either the shards or their sum, never neither. Rows are locked in key order
+        # first, the order in which the history triggers lock them: a writer and the fold
+        # cannot deadlock. A writer waiting on a deleted shard row inserts it anew.
+        return _q(
+            "WITH locked AS MATERIALIZED ("
+            "  SELECT queue, status, shard FROM {s}.history_counts WHERE shard <> 0"
+            "  ORDER BY queue, status, shard FOR UPDATE),"
+            " moved AS ("
+            "  DELETE FROM {s}.history_counts c USING locked l"
+            "  WHERE c.queue = l.queue AND c.status = l.status AND c.shard = l.shard"
+            "  RETURNING c.queue, c.status, c.n)"
+            " INSERT INTO {s}.history_counts AS c (queue, status, shard, n)"
+            " SELECT queue, status, 0, sum(n) FROM moved GROUP BY queue, status"
+            " ORDER BY queue, status"
+            " ON CONFLICT (queue, status, shard) DO UPDATE SET n = c.n + excluded.n",
+            self.schema,
+        )
+
+    @property
+    def history_counts_delete_empty(self) -> sql.Composed:
+        # Queues whose history is all pruned would otherwise keep a zero row for good.
+        return _q("DELETE FROM {s}.history_counts WHERE shard = 0 AND n = 0", self.schema)
+
+    @property
     def job_failed_delete_older(self) -> sql.Composed:
         # Dead-lettered jobs are only deleted on purpose (`prune --failed`), in bounded batches.
         return _q(
