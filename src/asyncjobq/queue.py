@@ -301,6 +301,13 @@ class Queue:
                         "next_tick": s.next_after(start)})
         return out
 
+    async def last_ticks(self) -> dict[str, datetime | None]:
+        """{schedule name: last tick enqueued} for every schedule the database has recorded,
+        whichever app registered it (None: started, no tick yet)."""
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.periodic_ticks_latest)
+            return {str(name): tick for name, tick in await cur.fetchall()}
+
     # --- hooks and middleware (hooks.py) ----------------------------------------------------
 
     def add_hook(self, hook: object) -> None:
