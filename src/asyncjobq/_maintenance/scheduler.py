@@ -44,7 +44,7 @@ KEEP_TICKS = 600.0
 PRUNE_EVERY = 60.0
 # Compute this many schedules between two yields to the event loop: claims and heartbeats
 # must not wait for a turn over thousands of schedules.
-YIELD_EVERY = 200
+YIELD_EVERY = 50
 
 
 class Scheduler(Service):
@@ -57,6 +57,9 @@ class Scheduler(Service):
                  ahead: float = AHEAD) -> None:
         self._db = db
         self.schedules = list(schedules)
+        # What each schedule's jobs carry, decoded once: the turn sends it back as JSON.
+        self._specs = {s.name: [s.name, s.task, json.loads(s.payload), s.queue, s.priority,
+                                s.max_attempts] for s in self.schedules}
         self.grace = timedelta(seconds=grace)
         self.ahead = timedelta(seconds=ahead)
         # name -> (latest row, first tick after it): a cache of computation, keyed by what the
@@ -88,8 +91,7 @@ class Scheduler(Service):
             due = self._due(s, latest.get(s.name), now)
             if due:
                 ticks.extend(due)
-                specs.append([s.name, s.task, json.loads(s.payload), s.queue, s.priority,
-                              s.max_attempts])
+                specs.append(self._specs[s.name])
         computed = time.perf_counter()
         n = 0
         if ticks:
