@@ -20,8 +20,8 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/mypy --strict src
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy --strict src examples
 
 clean:
 	rm -rf $(VENV) .asyncjobq .pytest_cache .mypy_cache .ruff_cache

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime, timedelta
@@ -14,7 +16,7 @@ from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
-from conftest import execute, fetchval, run_cli, running, spawn_worker, wait_for
+from conftest import ROOT, execute, fetchval, run_cli, running, spawn_worker, wait_for
 
 from asyncjobq import ConfigurationError, InvalidPayloadError, Job, Queue, Worker
 from asyncjobq._maintenance.periodic import Clock
@@ -412,6 +414,28 @@ async def test_schedules_command_lists_name_task_expression_timezone_ticks(
     r = run_cli("status", "--json", "--schema", queue.schema, dsn=pg_dsn)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["schedules"] == {"every-second": last.isoformat()}
+
+
+def test_the_readme_example_lists_its_schedules(pg_dsn: str, schema: str) -> None:
+    """examples/periodic.py (shown in README.md), listed as its docstring says, from the
+    repository's root."""
+
+    def schedules() -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "ASYNCJOBQ_DSN": pg_dsn, "QUEUE_SCHEMA": schema}
+        return subprocess.run([sys.executable, "-m", "asyncjobq", "schedules",
+                               "examples.periodic:queue", "--json"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    r = schedules()
+    assert r.returncode == 1 and "is not installed" in r.stderr, r.stderr  # loaded and checked
+    assert run_cli("install", "--schema", schema, dsn=pg_dsn).returncode == 0
+    r = schedules()
+    assert r.returncode == 0, r.stderr
+    assert [(s["name"], s["task"], s["expression"], s["timezone"], s["payload"])
+            for s in json.loads(r.stdout)] == [
+        ("nightly_report", "nightly_report", "0 3 * * *", "Europe/Paris", {}),
+        ("tmp-cleanup", "cleanup", "every 30s", "UTC", {"scope": "tmp"}),
+        ("cache-cleanup", "cleanup", "*/15 * * * *", "UTC", {"scope": "cache"})]
 
 
 # --- cost ----------------------------------------------------------------------------------------
