@@ -309,6 +309,8 @@ async def test_ticks_missed_while_no_worker_ran(queue: Queue) -> None:
     ({"cron": ""}, "use a cron expression"),
     ({"cron": "0 3 * * *", "timezone": "Mars/Olympus_Mons"}, "not a known IANA timezone"),
     ({"cron": "0 3 * * *", "timezone": "../etc/passwd"}, "not a known IANA timezone"),
+    ({"every": 60, "timezone": "Europe/Paris"}, "with every=: intervals tick at multiples"),
+    ({"every": 60, "timezone": "Nowhere/Else"}, "not a known IANA timezone"),
     ({"every": 0.5}, "shorter than 1 s"),
     ({"every": timedelta(milliseconds=10)}, "shorter than 1 s"),
     ({"every": float("nan")}, "use a number of seconds"),
@@ -336,6 +338,8 @@ async def test_more_refusals_at_registration_and_at_worker_start(
         queue.periodic("t", cron="@daily", name="twice")
     with pytest.raises(InvalidPayloadError, match="payload"):
         queue.periodic("t", every=60, name="p", payload={"s": {1, 2}})  # type: ignore[dict-item]
+    with pytest.raises(ConfigurationError, match="without cron="):
+        queue.task(name="zoned", timezone="Europe/Paris")(noop)
     with pytest.raises(ConfigurationError, match="hour"):
         queue.task(name="nightly", cron="0 25 * * *")(noop)
     assert "nightly" not in queue.tasks and "nightly" not in queue.schedules

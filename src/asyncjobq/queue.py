@@ -170,6 +170,9 @@ class Queue:
             raise ConfigurationError(f"timeout={timeout!r}: use a number of seconds > 0, or None")
         # A bad expression or timezone fails here, at the decorator, before the handler exists.
         clock = cron_clock(cron, timezone_of(timezone)) if cron is not None else None
+        if cron is None and timezone != "UTC":
+            raise ConfigurationError(f"timezone={timezone!r} without cron=: the timezone is the "
+                                     "one the task's cron expression is read in; pass cron=")
 
         def register(fn: Handler) -> Task:
             task_name = name or f"{fn.__module__}.{fn.__qualname__}"
@@ -221,7 +224,8 @@ class Queue:
                 multiples of it since 1970-01-01 UTC. Exactly one of `cron` and `every`.
             name: the schedule's name, unique on this queue; default the task's name.
             payload: the JSON object every tick's job carries.
-            timezone: an IANA timezone name for `cron` (DST: docs in periodic.py).
+            timezone: an IANA timezone name for `cron` (DST: docs/architecture.md); `every`
+                takes only "UTC".
             queue, priority, max_attempts: for the jobs; default the task's.
             catch_up: after ticks were missed while no worker ran for longer than two leases,
                 enqueue all of them (at most 100) instead of only the latest.
@@ -232,6 +236,13 @@ class Queue:
                 f"periodic({task_name!r}): pass exactly one of cron= (e.g. '*/15 * * * *') "
                 "and every= (e.g. timedelta(seconds=30))")
         zone = timezone_of(timezone)
+        if every is not None and timezone != "UTC":
+            # Interval ticks are instants (multiples of `every` since the epoch): a timezone
+            # would change nothing, and a user who passes one expects wall-clock times.
+            raise ConfigurationError(
+                f"timezone={timezone!r} with every=: intervals tick at multiples of every since "
+                "1970-01-01 UTC whatever the timezone; for wall-clock times use cron= (e.g. "
+                "cron='0 0 * * *', timezone=...)")
         clock: Clock | None = cron_clock(cron, zone) if cron is not None else None
         seconds = every_seconds(every) if every is not None else None
         schedule_name = task_name if name is None else name
