@@ -44,7 +44,8 @@ class _AppMistake(ConfigurationError):
 
 
 def _guard(fn: F) -> F:
-    """Our errors and database errors become one line and exit 1, never a traceback."""
+    """Our errors and database errors become one line and exit 1 (2 for a mistake in APP's
+    set-up), never a traceback."""
 
     def one_line(e: BaseException) -> str | None:
         if isinstance(e, AsyncJobQError):
