@@ -1,5 +1,5 @@
-"""`python -m asyncjobq`: worker, install, enqueue, status, retry-failed, cancel, prune, doctor,
-demo.
+"""`python -m asyncjobq`: worker, install, enqueue, status, schedules, retry-failed, cancel,
+prune, doctor, demo.
 
 Mistakes exit 2 (usage) or 1 (runtime) with one line on stderr that says what to do.
 """
@@ -38,8 +38,14 @@ def _fail(message: str, code: int = 1) -> None:
     sys.exit(code)
 
 
+class _AppMistake(ConfigurationError):
+    """A mistake in the APP's own set-up (a schedule's expression, timezone or task): a usage
+    error, exit 2 with one line."""
+
+
 def _guard(fn: F) -> F:
-    """Our errors and database errors become one line and exit 1, never a traceback."""
+    """Our errors and database errors become one line and exit 1 (2 for a mistake in APP's
+    set-up), never a traceback."""
 
     def one_line(e: BaseException) -> str | None:
         if isinstance(e, AsyncJobQError):
@@ -52,6 +58,8 @@ def _guard(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except _AppMistake as e:
+            _fail(str(e), 2)
         except AsyncJobQError as e:
             _fail(str(e))
         except psycopg.Error as e:
@@ -172,6 +180,9 @@ def load_app(app: str) -> Queue:
         raise AppImportError(
             f"importing {module_name!r} failed: {e}: install the missing package or fix the "
             "import in the module") from None
+    except ConfigurationError as e:
+        # Registration refused a schedule or a task at import: the APP needs fixing.
+        raise _AppMistake(f"{app}: {e}") from None
     except Exception as e:
         where = ""
         tb = e.__traceback__
@@ -194,6 +205,16 @@ def load_app(app: str) -> Queue:
             f"{app} is {a_or_an(type(obj).__name__)}, not an asyncjobq.Queue: point APP at the "
             "object created with asyncjobq.Queue(...)")
     return obj
+
+
+def load_checked_app(app: str) -> Queue:
+    """load_app, then the checks a worker makes at start (every schedule's task registered)."""
+    queue = load_app(app)
+    try:
+        queue.check_schedules()
+    except ConfigurationError as e:
+        raise _AppMistake(f"{app}: {e}") from None
+    return queue
 
 
 @main.command()
@@ -222,7 +243,7 @@ def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | Non
            log_level: str, dsn: str | None) -> None:
     """Run a worker for APP (module:attribute naming a Queue) until SIGTERM/SIGINT."""
     _setup_logging(log_level)
-    queue = load_app(app)
+    queue = load_checked_app(app)
     if dsn:
         queue.set_dsn(dsn)
     if queue.application_name == "asyncjobq":
@@ -352,18 +373,20 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
     """Per queue: counts by status, oldest queued age, stale running, last-minute throughput."""
 
     async def gather(q: Queue) -> tuple[dict[str, dict[str, int]], dict[str, Any],
-                                        dict[str, Any] | None]:
+                                        dict[str, Any] | None, dict[str, Any]]:
         # Counts read from a schema of another version could be wrong; say so instead.
         async with q.connection() as conn:
             await migrations.check(conn, q.schema)
-        return await q.stats(), await q.health(lease), await q.leader()
+        return await q.stats(), await q.health(lease), await q.leader(), await q.last_ticks()
 
-    counts, health, leader = _with_queue(dsn, schema, gather)
+    counts, health, leader, ticks = _with_queue(dsn, schema, gather)
     lead = None if leader is None else {"worker": leader["worker"],
                                         "since": leader["since"].isoformat()}
+    last_ticks = {name: _iso(t) for name, t in ticks.items()}
     if as_json:
         click.echo(json.dumps({"schema": schema, "queues": counts, "health": health,
-                               "leader": lead}, indent=2, sort_keys=True))
+                               "leader": lead, "schedules": last_ticks}, indent=2,
+                              sort_keys=True))
         return
     from rich.console import Console
     from rich.table import Table
@@ -381,7 +404,52 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
                       str(h.get("done_last_minute", 0)))
     who = ("leader: none (no worker running)" if lead is None
            else f"leader: {lead['worker']} since {lead['since']}")
+    if last_ticks:
+        newest = max((t for t in last_ticks.values() if t), default=None)
+        who += f"; {len(last_ticks)} schedule(s), latest tick {newest or 'none yet'}"
     table.caption = f"no jobs yet; {who}" if not counts else who
+    Console().print(table)
+
+
+def _iso(t: Any) -> str | None:
+    return None if t is None else str(t.isoformat())
+
+
+@main.command()
+@click.argument("app", callback=_app_param)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
+              help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
+@_guard
+def schedules(app: str, as_json: bool, dsn: str | None) -> None:
+    """APP's periodic schedules: task, expression, timezone, last tick enqueued, next tick."""
+    queue = load_checked_app(app)
+    if dsn:
+        queue.set_dsn(dsn)
+
+    async def gather() -> list[dict[str, Any]]:
+        async with queue:
+            async with queue.connection() as conn:
+                await migrations.check(conn, queue.schema)
+            return await queue.list_schedules()
+
+    rows = runtime.run(gather)
+    if as_json:
+        click.echo(json.dumps([{**r, "last_tick": _iso(r["last_tick"]),
+                                "next_tick": _iso(r["next_tick"])} for r in rows], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"asyncjobq schema {queue.schema}: schedules")
+    for col in ("name", "task", "expression", "timezone", "last tick", "next tick"):
+        table.add_column(col, no_wrap=col != "task")
+    for r in rows:
+        table.add_row(r["name"], r["task"], r["expression"], r["timezone"],
+                      _iso(r["last_tick"]) or "-", _iso(r["next_tick"]) or "never")
+    if not rows:
+        table.caption = "no schedules: register them with queue.periodic(...) or " \
+                        "@queue.task(cron=...)"
     Console().print(table)
 
 

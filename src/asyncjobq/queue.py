@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any
@@ -19,6 +20,14 @@ from ._db.database import NOT_OPEN, Conn, Database, storable
 from ._db.dsn import validate_schema
 from ._db.inserter import Inserter, write
 from ._db.sql import Statements
+from ._maintenance.periodic import (
+    Clock,
+    Every,
+    Schedule,
+    cron_clock,
+    every_seconds,
+    timezone_of,
+)
 from ._maintenance.pruner import (
     DEFAULT_RETENTION,
     Age,
@@ -83,6 +92,8 @@ class Queue:
                             application_name=application_name)
         self._inserter: Inserter | None = None
         self.tasks: dict[str, Task] = {}
+        # Periodic schedules by name (queue.periodic, @queue.task(cron=...)).
+        self.schedules: dict[str, Schedule] = {}
         self.hooks = Hooks()
 
     def __repr__(self) -> str:
@@ -134,6 +145,8 @@ class Queue:
         timeout: float | None = None,
         priority: int = 0,
         backoff: Backoff | None = None,
+        cron: str | None = None,
+        timezone: str = "UTC",
     ) -> Callable[[Handler], Task]:
         """Register a handler: `@queue.task()` above `async def` (plain `def` runs in a thread).
 
@@ -147,12 +160,20 @@ class Queue:
             priority: higher runs first among due jobs of a queue.
             backoff: seconds to wait before the next attempt, given the attempt that failed;
                 default min(300, 2 ** attempt) plus up to 10 % jitter.
+            cron: the task's one schedule (see `periodic`), named after the task and run
+                with an empty payload; e.g. "0 3 * * *".
+            timezone: the IANA timezone `cron` is read in.
         """
         _check_queue_name(queue)
         _check_max_attempts(max_attempts)
         _check_int("priority", priority)
         if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
             raise ConfigurationError(f"timeout={timeout!r}: use a number of seconds > 0, or None")
+        # A bad expression or timezone fails here, at the decorator, before the handler exists.
+        clock = cron_clock(cron, timezone_of(timezone)) if cron is not None else None
+        if cron is None and timezone != "UTC":
+            raise ConfigurationError(f"timezone={timezone!r} without cron=: the timezone is the "
+                                     "one the task's cron expression is read in; pass cron=")
 
         def register(fn: Handler) -> Task:
             task_name = name or f"{fn.__module__}.{fn.__qualname__}"
@@ -161,11 +182,143 @@ class Queue:
                 raise ConfigurationError(
                     f"task {task_name!r} is registered twice: give one of them another name="
                 )
+            if clock is not None:
+                self._check_schedule_name(task_name)
             t = Task(self, task_name, fn, queue, max_attempts, timeout, priority, backoff)
             self.tasks[task_name] = t
+            if clock is not None:
+                self.schedules[task_name] = Schedule(task_name, task_name, clock, cron, None,
+                                                     timezone, "{}")
             return t
 
         return register
+
+    # --- periodic jobs (_maintenance/periodic.py, scheduler.py) -----------------------------
+
+    def periodic(
+        self,
+        task: str | Task,
+        *,
+        cron: str | None = None,
+        every: float | timedelta | None = None,
+        name: str | None = None,
+        payload: dict[str, Any] | None = None,
+        timezone: str = "UTC",
+        queue: str | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        catch_up: bool = False,
+    ) -> Schedule:
+        """Enqueue a job of `task` at every tick of a schedule, once per fleet.
+
+        The leader's scheduler enqueues each tick exactly once however many workers run this
+        app (a unique key on (name, tick) in the database), with `run_at` at the tick's time
+        and `payload` as the job's payload. Every worker of a schema should register the same
+        schedules: the leader's are the ones that run.
+
+        Args:
+            task: the task's name or Task; it must be registered (here or later) by the time a
+                worker starts.
+            cron: 5 fields (minute hour day month weekday), 6 with seconds first, or @hourly,
+                @daily, @weekly, @monthly, @yearly; read in `timezone`. Needs the cron extra.
+            every: an interval in seconds or a timedelta, at least 1 s; ticks fall on the
+                multiples of it since 1970-01-01 UTC. Exactly one of `cron` and `every`.
+            name: the schedule's name, unique on this queue; default the task's name.
+            payload: the JSON object every tick's job carries.
+            timezone: an IANA timezone name for `cron` (DST: docs/architecture.md); `every`
+                takes only "UTC".
+            queue, priority, max_attempts: for the jobs; default the task's.
+            catch_up: after ticks were missed while no worker ran for longer than two leases,
+                enqueue all of them (at most 100) instead of only the latest.
+        """
+        task_name = _task_name(task)
+        if (cron is None) == (every is None):
+            raise ConfigurationError(
+                f"periodic({task_name!r}): pass exactly one of cron= (e.g. '*/15 * * * *') "
+                "and every= (e.g. timedelta(seconds=30))")
+        zone = timezone_of(timezone)
+        if every is not None and timezone != "UTC":
+            # Interval ticks are instants (multiples of `every` since the epoch): a timezone
+            # would change nothing, and a user who passes one expects wall-clock times.
+            raise ConfigurationError(
+                f"timezone={timezone!r} with every=: intervals tick at multiples of every since "
+                "1970-01-01 UTC whatever the timezone; for wall-clock times use cron= (e.g. "
+                "cron='0 0 * * *', timezone=...)")
+        clock: Clock | None = cron_clock(cron, zone) if cron is not None else None
+        seconds = every_seconds(every) if every is not None else None
+        schedule_name = task_name if name is None else name
+        _check_name("schedule name", schedule_name, "nightly-report")
+        body = _encode_payload(payload)
+        if queue is not None:
+            _check_queue_name(queue)
+        if priority is not None:
+            _check_int("priority", priority)
+        if max_attempts is not None:
+            _check_max_attempts(max_attempts)
+        if not isinstance(catch_up, bool):
+            raise ConfigurationError(f"catch_up={catch_up!r}: use True or False")
+        self._check_schedule_name(schedule_name)
+        if clock is None:
+            assert seconds is not None
+            clock = Every(seconds)
+        schedule = Schedule(schedule_name, task_name, clock, cron, seconds, timezone, body,
+                            queue, priority, max_attempts, catch_up)
+        self.schedules[schedule_name] = schedule
+        return schedule
+
+    def _check_schedule_name(self, name: str) -> None:
+        if name in self.schedules:
+            raise ConfigurationError(
+                f"schedule {name!r} is registered twice: pass name= to tell them apart")
+
+    def check_schedules(self) -> list[Schedule]:
+        """The schedules with their task's defaults filled in; raises ConfigurationError
+        naming a schedule whose task is not registered. Workers call it when they start."""
+        resolved = []
+        for s in self.schedules.values():
+            t = self.tasks.get(s.task)
+            if t is None:
+                known = ", ".join(sorted(self.tasks)) or "none"
+                raise ConfigurationError(
+                    f"schedule {s.name!r} enqueues task {s.task!r}, which is not registered: "
+                    f"register it with @queue.task(name={s.task!r}) or fix the schedule's task "
+                    f"(registered tasks: {known})")
+            resolved.append(replace(
+                s, queue=s.queue if s.queue is not None else t.queue,
+                priority=s.priority if s.priority is not None else t.priority,
+                max_attempts=s.max_attempts if s.max_attempts is not None else t.max_attempts))
+        return resolved
+
+    async def list_schedules(self) -> list[dict[str, Any]]:
+        """Every schedule with its last enqueued tick and its next one: dicts of name, task,
+        expression, timezone, payload, queue, catch_up, last_tick and next_tick (UTC
+        datetimes or None)."""
+        schedules = self.check_schedules()
+        names = [s.name for s in schedules]
+        rows: dict[str, tuple[datetime | None, datetime | None]] = {}
+        now = datetime.now(UTC)
+        if names:
+            async with self._conn(None) as c:
+                cur = await c.execute(self.sql.periodic_schedule_ticks, {"names": names})
+                for name, last, latest, server_now in await cur.fetchall():
+                    rows[name] = (last, latest)
+                    now = server_now
+        out = []
+        for s in schedules:
+            last, latest = rows.get(s.name, (None, None))
+            start = now if latest is None else max(latest, now)
+            out.append({"name": s.name, "task": s.task, "expression": s.expression,
+                        "timezone": s.timezone, "payload": json.loads(s.payload),
+                        "queue": s.queue, "catch_up": s.catch_up, "last_tick": last,
+                        "next_tick": s.next_after(start)})
+        return out
+
+    async def last_ticks(self) -> dict[str, datetime | None]:
+        """{schedule name: last tick enqueued} for every schedule the database has recorded,
+        whichever app registered it (None: started, no tick yet)."""
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.periodic_ticks_latest)
+            return {str(name): tick for name, tick in await cur.fetchall()}
 
     # --- hooks and middleware (hooks.py) ----------------------------------------------------
 
@@ -620,3 +773,13 @@ def _check_queue_name(value: object) -> None:
 
 def _check_task_name(value: object) -> None:
     _check_name("task", value, "send_email")
+
+
+def _task_name(task: object) -> str:
+    if isinstance(task, Task):
+        return task.name
+    if not isinstance(task, str):
+        raise ConfigurationError(
+            f"task={task!r}: pass the task's name (a string) or the Task object")
+    _check_task_name(task)
+    return task

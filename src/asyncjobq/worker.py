@@ -3,8 +3,9 @@
     listener -> fetcher -> bounded handler tasks -> completer
                 heartbeat (extends leases, its own thread)
                 services (services.py): the leader elector on every worker; on the leader only,
-                the reaper (requeues stale jobs), the pruner (history past retention) and the
-                hot-table vacuum (between autovacuum's visits)
+                the reaper (requeues stale jobs), the pruner (history past retention), the
+                hot-table vacuum (between autovacuum's visits) and, when the queue has
+                schedules, the periodic scheduler
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ._db import migrations
 from ._maintenance.leader import Elector
 from ._maintenance.pruner import Pruner
 from ._maintenance.reaper import Reaper
+from ._maintenance.scheduler import Scheduler
 from ._maintenance.services import Service, ServiceRunner
 from ._maintenance.vacuum import HotTableVacuum
 from ._worker.completer import Completer
@@ -158,6 +160,7 @@ class Worker:
         self.reaper: Reaper | None = None
         self.pruner: Pruner | None = None
         self.vacuum: HotTableVacuum | None = None
+        self.scheduler: Scheduler | None = None
         self.elector: Elector | None = None
         self.services: ServiceRunner | None = None
         self.completed = 0
@@ -185,6 +188,8 @@ class Worker:
         self._stop = anyio.Event()
         if self._stop_requested:
             self._stop.set()
+        # A schedule whose task is missing fails now, not at its first tick.
+        schedules = self.queue.check_schedules()
         self._threads = ThreadRunner(f"asyncjobq-{self.id}")
         await self.queue.open()
         async with self.queue.connection() as conn:
@@ -213,6 +218,11 @@ class Worker:
         maintenance: list[Service] = [elector, self.reaper, self.pruner]
         if self.vacuum is not None:
             maintenance.append(self.vacuum)
+        if schedules:
+            # Ticks missed for two leases (a leader's takeover takes about one) are all
+            # enqueued late; a longer gap means no worker ran (scheduler.py).
+            self.scheduler = Scheduler(db, schedules, grace=2 * self.lease)
+            maintenance.append(self.scheduler)
         self.services = ServiceRunner(maintenance, is_leader=lambda: elector.is_leader)
         if self._stop_requested:
             fetcher.stop()

@@ -3,7 +3,8 @@
 Statements are composed with psycopg.sql; the schema is always an Identifier and user data is
 always a bound parameter. `statements(schema)` builds the set once per schema. Each role has its
 module: enqueue.py (producers), claim.py (the worker's claim, completion and heartbeat),
-maintenance.py (reaper, leader, pruner, vacuum), admin.py (install, admin calls, doctor).
+maintenance.py (reaper, leader, pruner, vacuum, periodic scheduler), admin.py (install, admin
+calls, doctor).
 """
 
 from __future__ import annotations

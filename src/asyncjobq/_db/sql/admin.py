@@ -127,6 +127,29 @@ class AdminStatements(Role):
         )
 
     @property
+    def periodic_schedule_ticks(self) -> sql.Composed:
+        # For `schedules`: per name, the latest tick that got a job, the latest row of any
+        # kind (where the scheduler goes on from) and the server's clock.
+        return _q(
+            "SELECT n.name,"
+            " (SELECT max(t.tick) FROM {s}.periodic_ticks t"
+            "   WHERE t.name = n.name AND t.enqueued),"
+            " (SELECT max(t.tick) FROM {s}.periodic_ticks t WHERE t.name = n.name),"
+            " now()"
+            " FROM unnest(%(names)s::text[]) AS n(name)",
+            self.schema,
+        )
+
+    @property
+    def periodic_ticks_latest(self) -> sql.Composed:
+        # For `status`: every schedule the database knows of (the app is not loaded there).
+        return _q(
+            "SELECT name, max(tick) FILTER (WHERE enqueued) FROM {s}.periodic_ticks"
+            " GROUP BY name ORDER BY name",
+            self.schema,
+        )
+
+    @property
     def job_cancel(self) -> sql.Composed:
         return sql.SQL(
             "WITH cancelled AS ("

@@ -1,4 +1,5 @@
-"""Maintenance: the reaper, the leader, the pruner and the hot-table vacuum."""
+"""Maintenance: the reaper, the leader, the pruner, the hot-table vacuum and the periodic
+scheduler."""
 
 from __future__ import annotations
 
@@ -200,3 +201,69 @@ class MaintenanceStatements(Role):
         # INDEX_CLEANUP ON: PostgreSQL skips the indexes when few heap pages have dead rows,
         # but the claim index's dead entries are exactly what this vacuum is for.
         return _q("VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) {s}.jobs", self.schema)
+
+    # --- maintenance: periodic scheduler ------------------------------------------------------
+
+    @property
+    def periodic_last_ticks(self) -> sql.Composed:
+        # The latest recorded tick of each schedule (one backward index probe per name) and
+        # the server's clock, which every leader judges due ticks by.
+        return _q(
+            "SELECT n.name,"
+            " (SELECT max(t.tick) FROM {s}.periodic_ticks t WHERE t.name = n.name),"
+            " now()"
+            " FROM unnest(%(names)s::text[]) AS n(name)",
+            self.schema,
+        )
+
+    @property
+    def periodic_ticks_enqueue(self) -> sql.Composed:
+        # Every due tick of every schedule in one statement: a tick's row and its job are
+        # written together or not at all. A tick is written only when it is later than its
+        # schedule's latest row (so a leader working from a stale read writes nothing) and
+        # only once (the primary key; a second leader's INSERT waits for the first one's and
+        # then does nothing). Rows are inserted in key order so that two leaders writing the
+        # same ticks wait for each other rather than deadlock. Ticks whose `enqueue` is false
+        # mark where a new schedule starts and get no job. The jobs' INSERT trigger notifies
+        # the earliest run_at per queue only; the later ticks written ahead get a
+        # notification each (same text as the trigger's, which PostgreSQL folds into one), so
+        # workers wake for every tick on time rather than at their next poll.
+        return _q(
+            "WITH spec AS ("
+            "  SELECT r->>0 AS name, r->>1 AS task, r->2 AS payload, r->>3 AS queue,"
+            "    (r->>4)::int AS priority, (r->>5)::int AS max_attempts"
+            "  FROM jsonb_array_elements(%(schedules)s::jsonb) AS s(r)),"
+            " due AS ("
+            "  SELECT r->>0 AS name, (r->>1)::timestamptz AS tick, (r->>2)::boolean AS enqueue"
+            "  FROM jsonb_array_elements(%(ticks)s::jsonb) AS d(r)),"
+            " fresh AS ("
+            "  INSERT INTO {s}.periodic_ticks (name, tick, enqueued)"
+            "  SELECT d.name, d.tick, d.enqueue FROM due d"
+            "  WHERE d.tick > coalesce((SELECT max(p.tick) FROM {s}.periodic_ticks p"
+            "                           WHERE p.name = d.name), '-infinity')"
+            "  ORDER BY d.name, d.tick"
+            "  ON CONFLICT (name, tick) DO NOTHING"
+            "  RETURNING name, tick, enqueued),"
+            " jobs AS ("
+            "  INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts)"
+            "  SELECT s.task, s.payload, s.queue, s.priority, f.tick, s.max_attempts"
+            "  FROM fresh f JOIN spec s ON s.name = f.name WHERE f.enqueued"
+            "  ORDER BY f.tick"
+            "  RETURNING queue, run_at)"
+            " SELECT (SELECT count(*) FROM jobs),"
+            " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
+            "   'queue', queue, 'run_at', extract(epoch FROM run_at))::text)"
+            "   FROM (SELECT DISTINCT queue, run_at FROM jobs WHERE run_at > now()) d) n)",
+            self.schema,
+        )
+
+    @property
+    def periodic_ticks_prune(self) -> sql.Composed:
+        # Each schedule's latest row is where its next tick is computed from: it stays.
+        return _q(
+            "DELETE FROM {s}.periodic_ticks t"
+            " WHERE t.tick < now() - make_interval(secs => %(keep)s)"
+            "   AND EXISTS (SELECT FROM {s}.periodic_ticks n"
+            "               WHERE n.name = t.name AND n.tick > t.tick)",
+            self.schema,
+        )
