@@ -190,6 +190,31 @@ async def test_doctor_fixes_an_invalid_index_by_dropping_and_recreating_it_concu
     await assert_indexes_present_and_valid(queue)
 
 
+async def test_doctor_finds_history_counts_that_drifted_and_its_recount_mends_them(
+        queue: Queue, pg_dsn: str) -> None:
+    """Rows written with the triggers disabled (a data-only restore does that, or loads the
+    counts too): stats() is wrong, doctor says where, and its advice makes it exact."""
+    for i in await queue.enqueue_many("t", [{}] * 2, queue="a"):
+        assert await queue.cancel(i)
+    await execute(queue, "ALTER TABLE {s}.jobs_history DISABLE TRIGGER USER")
+    await execute(queue, "INSERT INTO {s}.jobs_history (id, queue, task, payload, status,"
+                         " priority, run_at, attempts, max_attempts, created_at, finished_at)"
+                         " SELECT -g, 'b', 't', '{{}}', 'done', 0, now(), 1, 3, now(), now()"
+                         " FROM generate_series(1, 5) g")
+    await execute(queue, "ALTER TABLE {s}.jobs_history ENABLE TRIGGER USER")
+    assert "b" not in await queue.stats()
+    report = await diagnose(queue)
+    [finding] = [f for f in report.findings if f.check == "history counts"]
+    assert finding.level == PROBLEM
+    assert "b/done says 0 where history holds 5" in finding.message, finding.message
+    recount = finding.advice[finding.advice.index("BEGIN;"):]
+    await run_outside_a_transaction(pg_dsn, recount)
+    assert (await queue.stats())["b"]["done"] == 5
+    assert (await queue.stats())["a"]["cancelled"] == 2
+    [finding] = [f for f in (await diagnose(queue)).findings if f.check == "history counts"]
+    assert finding.level == "ok", finding
+
+
 # --- 8b. the hot-table vacuum's session lock when a stop cancels it -----------------------------
 
 # Holders of the vacuum's session advisory lock (a bigint key: its halves in classid, objid).

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -88,9 +91,14 @@ def test_a_daily_0230_runs_once_on_both_dst_days_in_paris(cron: str) -> None:
     assert s.next_after(utc(2026, 10, 25, 1, 10)) == utc(2026, 10, 26, 1, 30)
 
 
-def test_an_hourly_job_follows_real_time_across_dst() -> None:
+@pytest.mark.parametrize(("cron", "spring", "fall"), [
+    ("@hourly", 23, 25), ("0 */2 * * *", 11, 13),
+    # An hour field that does not start with `*` names wall times (periodic.py, Vixie cron's
+    # rule): each runs once, whatever the night did to it.
+    ("0 0-23 * * *", 23, 24)])
+def test_an_hourly_job_follows_real_time_across_dst(cron: str, spring: int, fall: int) -> None:
     q = Queue("postgresql://unused", schema="unused")
-    s = q.periodic("t", cron="@hourly", timezone="Europe/Paris")
+    s = q.periodic("t", cron=cron, timezone="Europe/Paris")
 
     def local_day(day: int, month: int) -> list[datetime]:
         start = datetime(2026, month, day, tzinfo=PARIS).astimezone(UTC)
@@ -98,8 +106,8 @@ def test_an_hourly_job_follows_real_time_across_dst() -> None:
         return ticks_between(s.clock, start - timedelta(microseconds=1),
                              end - timedelta(microseconds=1))
 
-    assert len(local_day(29, 3)) == 23
-    assert len(local_day(25, 10)) == 25  # 02:00 CEST and 02:00 CET are two instants
+    assert len(local_day(29, 3)) == spring
+    assert len(local_day(25, 10)) == fall  # @hourly: 02:00 CEST and 02:00 CET, two instants
 
 
 async def test_the_scheduler_enqueues_one_0230_job_on_both_dst_days(queue: Queue) -> None:
@@ -170,6 +178,61 @@ async def test_new_schedules_start_from_now_and_removed_ones_stop(queue: Queue) 
     s = scheduler(queue)  # the app, deployed without "r"
     await s.turn(now=t + timedelta(minutes=5))
     assert len(await job_times(queue, "report")) == 1
+
+
+class Broken(Clock):
+    def forward(self, t: datetime) -> Iterator[datetime]:
+        raise RuntimeError("a bug in one schedule")
+
+
+async def test_one_schedule_that_fails_does_not_stop_the_others(
+        queue: Queue, caplog: pytest.LogCaptureFixture) -> None:
+    """One schedule refused by a constraint on jobs, one whose ticks cannot be computed: the
+    others are enqueued, each failure is logged once (not every turn), and the refused one
+    comes back when the constraint goes."""
+    for task in ("good", "refused", "broken"):
+        queue.task(name=task)(noop)
+        queue.periodic(task, every=60)
+    s = scheduler(queue)
+    s.schedules = [replace(x, clock=Broken()) if x.name == "broken" else x
+                   for x in s.schedules]
+    await execute(queue, "ALTER TABLE {s}.jobs ADD CONSTRAINT no_refused"
+                  " CHECK (task <> 'refused')")
+    t = utc(2026, 6, 1, 12, 0, 30)
+    with caplog.at_level(logging.ERROR, logger="asyncjobq.scheduler"):
+        await s.turn(now=t)  # where each starts
+        assert await s.turn(now=t + timedelta(seconds=30)) == 1
+        assert await s.turn(now=t + timedelta(seconds=90)) == 1
+    assert await job_times(queue, "good") == [utc(2026, 6, 1, 12, 1), utc(2026, 6, 1, 12, 2)]
+    assert await job_times(queue, "refused") == []
+    failures = [r.getMessage() for r in caplog.records]
+    assert len(failures) == 2, failures
+    assert any("schedule broken: computing its ticks failed (RuntimeError" in m
+               for m in failures)
+    assert any("schedule refused: writing its jobs failed (CheckViolation" in m
+               for m in failures)
+    await execute(queue, "ALTER TABLE {s}.jobs DROP CONSTRAINT no_refused")
+    assert await s.turn(now=t + timedelta(seconds=150)) == 2
+    assert await job_times(queue, "refused") == [utc(2026, 6, 1, 12, 3)]
+
+
+async def test_a_server_clock_set_back_does_not_stall_a_schedule(
+        queue: Queue, caplog: pytest.LogCaptureFixture) -> None:
+    """The latest tick an hour past the clock (the clock was set back an hour): the schedule
+    says so and goes on from the clock, instead of waiting an hour in silence."""
+    queue.task(name="tick")(noop)
+    queue.periodic("tick", every=1)
+    s = scheduler(queue)
+    t = utc(2026, 6, 1, 12, 0, 0, 500_000)
+    await execute(queue, "INSERT INTO {s}.periodic_ticks (name, tick) VALUES"
+                  " ('tick', %s), ('tick', %s)", t - timedelta(seconds=1),
+                  t + timedelta(hours=1))
+    with caplog.at_level(logging.WARNING, logger="asyncjobq.scheduler"):
+        assert await s.turn(now=t) == 0
+    assert "the clock was set back" in caplog.text
+    assert await s.turn(now=t) == 3  # 12:00:00, and 12:00:01..02 ahead
+    assert await job_times(queue, "tick") == [t.replace(microsecond=0) + timedelta(seconds=k)
+                                              for k in range(3)]
 
 
 # --- a fleet of processes --------------------------------------------------------------------

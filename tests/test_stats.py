@@ -245,6 +245,31 @@ async def test_counts_stay_exact_through_an_operators_update_and_truncate(queue:
     assert set(await queue.stats()) == {"a"}
 
 
+async def test_a_truncate_while_a_fold_is_in_flight_leaves_no_count(
+        queue: Queue, pg_dsn: str) -> None:
+    """The fold writes a new shard-0 row, uncommitted, while an operator truncates history:
+    the truncate waits for it and the row does not survive (a DELETE in the trigger, whose
+    snapshot predates the row, left it: stats() counted 3 cancelled jobs that were gone)."""
+    for i in await queue.enqueue_many("t", [{}] * 3, queue="a"):
+        assert await queue.cancel(i)
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as fold, \
+            await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as operator:
+        await fold.execute(queue.database.sql.history_counts_fold)
+        truncate = asyncio.create_task(operator.execute(
+            sql.SQL("TRUNCATE {s}.jobs_history").format(s=sql.Identifier(queue.schema))))
+
+        async def truncate_waits() -> bool:
+            return bool(await fetchval(queue, "SELECT count(*) FROM pg_stat_activity"
+                                       " WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                                       "TRUNCATE %"))
+
+        await wait_for(truncate_waits, timeout=10, what="the TRUNCATE waiting for the fold")
+        await fold.commit()
+        await asyncio.wait_for(truncate, 10)
+    await assert_exact(queue)
+    assert await queue.stats() == {}
+
+
 async def test_folds_beside_writers_stay_exact_and_never_deadlock(queue: Queue) -> None:
     # Writers on their own connections (their own shards), each statement writing two queues,
     # listed in the opposite order of the counts' key, while the fold runs in a loop.

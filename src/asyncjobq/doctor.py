@@ -160,6 +160,20 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
         else:
             report.add("stale running", OK, f"no running job older than its {lease:g} s lease")
 
+        cur = await conn.execute(st.doctor_history_counts_drift)
+        drift = await cur.fetchall()
+        if drift:
+            report.add("history counts", PROBLEM,
+                       f"stats() and `status` count history wrong for {len(drift)} "
+                       "(queue, status): " + ", ".join(
+                           f"{q}/{s} says {c} where history holds {h}"
+                           for q, s, c, h in drift[:5]) + (", ..." if len(drift) > 5 else "")
+                       + " (rows written with triggers disabled, or a data-only restore)",
+                       "recount them (writers of history wait a second per 10 million rows): "
+                       + st.history_counts_recount.as_string(conn))
+        else:
+            report.add("history counts", OK, "history's counts match its rows")
+
         await _check_xmin(report, conn, st, xmin_age)
 
         if notify_usage >= NOTIFY_QUEUE_WARNING:

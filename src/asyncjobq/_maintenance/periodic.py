@@ -6,15 +6,18 @@ are due from the last tick the database recorded.
 
 Cron expressions are parsed and stepped by cronsim (the `cron` extra). How ticks meet DST:
 
-- An expression at specific times (its minute and hour fields both fixed, e.g. `30 2 * * *`)
-  is stepped in local wall time, and each wall time is converted with zoneinfo: a wall time that
-  does not exist (spring forward) runs once, at the instant it maps to with the offset before
-  the jump (02:30 in Europe/Paris on 2026-03-29 runs at 03:30 CEST, 01:30 UTC); a wall time that
-  happens twice (fall back) runs once, at its first occurrence. This holds for 6-field
+- An expression at specific times (neither its minute nor its hour field starts with `*`,
+  the rule of Vixie cron: `30 2 * * *`, `0 9-17 * * 1-5`, and also `0 0-23 * * *`, which
+  therefore runs 24 times on a fall-back day, not 25) is stepped in local wall time, and each
+  wall time is converted with zoneinfo: a wall time that does not exist (spring forward) runs
+  once, at the instant it maps to with the offset before the jump (02:30 in Europe/Paris on
+  2026-03-29 runs at 03:30 CEST, 01:30 UTC); a wall time that happens twice (fall back) runs
+  once, at its first occurrence. This holds for 6-field
   expressions too (cronsim applies its own such rule to 5-field ones only).
-- Any other expression (`*/15 * * * *`, `0 * * * *`, seconds-level ones) is stepped in real
-  time: each instant whose local time matches runs, so an hourly job runs 23 times on a
-  spring-forward day and 25 times on a fall-back day, as an interval would.
+- Any other expression (`*/15 * * * *`, `0 * * * *`, `0 */2 * * *`, seconds-level ones
+  such as `*/10 * * * * *`) is stepped in real time: each instant whose local time matches
+  runs, so an hourly job runs 23 times on a spring-forward day and 25 times on a fall-back
+  day, as an interval would.
 - `every` ticks are the multiples of the interval since 1970-01-01 00:00 UTC, whatever the
   timezone: every worker computes the same ticks without remembering when it started.
 """

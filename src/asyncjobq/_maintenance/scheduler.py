@@ -15,6 +15,13 @@ from the database.
   latest missed tick is enqueued, or, with `catch_up=True`, all of them up to MAX_CATCH_UP.
 - A new schedule (no row yet) starts from now: its first turn records where it starts.
 - A schedule removed from the code is no longer read, so it stops; its latest row stays.
+- One schedule that cannot be computed or written (a bug, a constraint or trigger of the
+  operator's on jobs) is logged and skipped: the other schedules' ticks are written without it.
+- A latest tick far past the server's clock means the clock was set back: the schedule would
+  wait, silently, until the clock caught up. The rows past the clock are deleted (a warning
+  says so) and the schedule goes on from the clock.
+- The leader's code decides which schedules exist: during a rolling deploy the schedules of
+  whichever version holds the lease are run, until leadership moves to the new version.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 import anyio.lowlevel
+import psycopg
 
 from .._db.database import Database
 from .periodic import Schedule
@@ -45,6 +53,13 @@ PRUNE_EVERY = 60.0
 # Compute this many schedules between two yields to the event loop: claims and heartbeats
 # must not wait for a turn over thousands of schedules.
 YIELD_EVERY = 50
+# A latest tick this far past the clock was not written ahead (that is AHEAD at most): the
+# server's clock went back.
+CLOCK_WENT_BACK = 60.0
+# What the database says of rows it refuses (a constraint, a trigger of the operator's), as
+# opposed to a connection or server failing, which fails the turn.
+_REFUSED = (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError,
+            psycopg.InternalError)
 
 
 class Scheduler(Service):
@@ -66,6 +81,8 @@ class Scheduler(Service):
         # database said, so it never decides anything on its own.
         self._next: dict[str, tuple[datetime, datetime | None]] = {}
         self._pruned_at = 0.0
+        # Schedules that failed, with what was logged: logged again only when it changes.
+        self._failing: dict[str, str] = {}
         self.enqueued = 0
         self.last_turn: dict[str, float] = {}
 
@@ -83,26 +100,27 @@ class Scheduler(Service):
         server_now: datetime = rows[0][2] if rows else datetime.now().astimezone()
         if now is None:
             now = server_now
-        ticks: list[list[object]] = []
-        specs: list[list[object]] = []
+        ticks: dict[str, list[list[object]]] = {}
+        went_back: list[str] = []
         for i, s in enumerate(self.schedules):
             if i and i % YIELD_EVERY == 0:
                 await anyio.lowlevel.checkpoint()
-            due = self._due(s, latest.get(s.name), now)
+            last = latest.get(s.name)
+            if last is not None and last > now + timedelta(seconds=CLOCK_WENT_BACK):
+                went_back.append(s.name)
+                continue
+            try:
+                due = self._due(s, last, now)
+            except Exception as e:  # a bug in one schedule must not stop the others
+                self._failed(s.name, "computing its ticks", e, traceback=True)
+                continue
             if due:
-                ticks.extend(due)
-                specs.append(self._specs[s.name])
+                ticks[s.name] = due
         computed = time.perf_counter()
-        n = 0
-        if ticks:
-            async with self._db.connection() as conn:
-                cur = await conn.execute(st.periodic_ticks_enqueue, {
-                    "schedules": json.dumps(specs, separators=(",", ":")),
-                    "ticks": json.dumps(ticks, separators=(",", ":")),
-                    "channel": self._db.channel})
-                row = await cur.fetchone()
-            n = int(row[0]) if row else 0
-            self.enqueued += n
+        if went_back:
+            await self._restart_from(went_back, latest, now)
+        n = await self._write_all(ticks) if ticks else 0
+        self.enqueued += n
         if time.monotonic() - self._pruned_at > PRUNE_EVERY:
             self._pruned_at = time.monotonic()
             async with self._db.connection() as conn:
@@ -111,6 +129,71 @@ class Scheduler(Service):
         self.last_turn = {"read": read - started, "compute": computed - read,
                           "write": done - computed, "total": done - started}
         return n
+
+    async def _write_all(self, ticks: dict[str, list[list[object]]]) -> int:
+        """Write every schedule's due ticks in one statement; a schedule the database refuses
+        is written alone from then on, so that only it is left out."""
+        together = [name for name in ticks if name not in self._failing]
+        alone = [name for name in ticks if name in self._failing]
+        n = 0
+        if together:
+            try:
+                n += await self._write(together, ticks)
+            except _REFUSED as e:
+                if len(together) == 1 and not alone:
+                    self._failed(together[0], "writing its jobs", e)
+                    return 0
+                log.debug("writing the ticks of %d schedules at once failed (%s); writing "
+                          "each alone", len(together), e)
+                alone = list(ticks)
+        refused: list[Exception] = []
+        for name in alone:
+            try:
+                n += await self._write([name], ticks)
+            except _REFUSED as e:
+                self._failed(name, "writing its jobs", e)
+                refused.append(e)
+                continue
+            if self._failing.pop(name, None) is not None:
+                log.warning("schedule %s: its ticks are enqueued again", name)
+        if len(refused) > 1 and len(refused) == len(ticks):
+            raise refused[0]  # not one schedule: the turn fails and backs off
+        return n
+
+    async def _write(self, names: list[str], ticks: dict[str, list[list[object]]]) -> int:
+        rows = [row for name in names for row in ticks[name]]
+        async with self._db.connection() as conn:
+            cur = await conn.execute(self._db.sql.periodic_ticks_enqueue, {
+                "schedules": json.dumps([self._specs[name] for name in names],
+                                        separators=(",", ":")),
+                "ticks": json.dumps(rows, separators=(",", ":")),
+                "channel": self._db.channel})
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async def _restart_from(self, names: list[str], latest: dict[str, datetime | None],
+                            now: datetime) -> None:
+        """Delete the ticks past the clock (and past what a turn writes ahead) of schedules
+        whose latest tick is far in the future: the server's clock was set back."""
+        async with self._db.connection() as conn:
+            await conn.execute(self._db.sql.periodic_ticks_forget_future,
+                               {"names": names, "after": now + self.ahead})
+        for name in names:
+            self._next.pop(name, None)
+            last = latest[name]
+            assert last is not None
+            log.warning("schedule %s: its latest tick (%s) is %.0f s past the database "
+                        "server's clock (%s): the clock was set back. Its ticks past the clock "
+                        "are forgotten and it goes on from now", name, last.isoformat(),
+                        (last - now).total_seconds(), now.isoformat())
+
+    def _failed(self, name: str, doing: str, e: Exception, *, traceback: bool = False) -> None:
+        kind = type(e).__name__
+        if self._failing.get(name) == kind:
+            return  # logged already: once per kind of failure, not once a second
+        self._failing[name] = kind
+        log.error("schedule %s: %s failed (%s: %s); it is skipped until that succeeds, the "
+                  "other schedules go on", name, doing, kind, e, exc_info=traceback)
 
     def _due(self, s: Schedule, last: datetime | None, now: datetime) -> list[list[object]]:
         """[name, tick, enqueue] rows for this turn."""

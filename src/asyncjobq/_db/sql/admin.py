@@ -249,6 +249,35 @@ class AdminStatements(Role):
         )
 
     @property
+    def doctor_history_counts_drift(self) -> sql.Composed:
+        # history_counts (0003_history_counts.sql) against a count of every history row:
+        # they part only if rows were written with the triggers disabled, or a data-only
+        # restore loaded both the rows and their counts. Reads all of history, as only doctor
+        # may.
+        return _q(
+            "SELECT coalesce(c.queue, h.queue), coalesce(c.status, h.status)::text,"
+            "  coalesce(c.n, 0), coalesce(h.n, 0)"
+            " FROM (SELECT queue, status, sum(n) AS n FROM {s}.history_counts"
+            "       GROUP BY 1, 2) c"
+            " FULL JOIN (SELECT queue, status, count(*) AS n FROM {s}.jobs_history"
+            "            GROUP BY 1, 2) h ON h.queue = c.queue AND h.status = c.status"
+            " WHERE coalesce(c.n, 0) <> coalesce(h.n, 0) ORDER BY 1, 2",
+            self.schema,
+        )
+
+    @property
+    def history_counts_recount(self) -> sql.Composed:
+        # The doctor's advice for a drift (shown, never run by asyncjobq): the lock holds
+        # history's writers back until the new counts commit, as the migration's backfill.
+        return _q(
+            "BEGIN; LOCK TABLE {s}.jobs_history IN SHARE ROW EXCLUSIVE MODE;"
+            " TRUNCATE {s}.history_counts;"
+            " INSERT INTO {s}.history_counts (queue, status, shard, n)"
+            " SELECT queue, status, 0, count(*) FROM {s}.jobs_history GROUP BY 1, 2; COMMIT",
+            self.schema,
+        )
+
+    @property
     def job_count_stale_running(self) -> sql.Composed:
         return _q(
             "SELECT count(*), extract(epoch FROM now() - min(locked_at)) FROM {s}.jobs"

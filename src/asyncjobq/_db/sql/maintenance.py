@@ -258,6 +258,16 @@ class MaintenanceStatements(Role):
         )
 
     @property
+    def periodic_ticks_forget_future(self) -> sql.Composed:
+        # The server's clock was set back (scheduler.py): rows past it would hold their
+        # schedules until the clock caught up.
+        return _q(
+            "DELETE FROM {s}.periodic_ticks"
+            " WHERE name = ANY(%(names)s::text[]) AND tick > %(after)s",
+            self.schema,
+        )
+
+    @property
     def periodic_ticks_prune(self) -> sql.Composed:
         # Each schedule's latest row is where its next tick is computed from: it stays.
         return _q(
