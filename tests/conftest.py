@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -101,14 +102,46 @@ async def execute(q: Queue, query: str, *params: Any) -> None:
         await conn.execute(sql.SQL(query).format(s=sql.Identifier(q.schema)), params)
 
 
+class WorkerProcess(subprocess.Popen[str]):
+    """A worker process whose stdout and stderr are read as they are written: a worker whose
+    pipe is full blocks on its next log line (a storm of lost connections logs far more than a
+    pipe holds), and a test that only kills it at the end never reads the pipe."""
+
+    def __init__(self, argv: list[str], **kwargs: Any) -> None:
+        super().__init__(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         **kwargs)
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._readers = [threading.Thread(target=_read_into, args=(stream, sink), daemon=True)
+                         for stream, sink in ((self.stdout, self._out),
+                                              (self.stderr, self._err))]
+        for reader in self._readers:
+            reader.start()
+
+    def stderr_so_far(self) -> str:
+        return "".join(self._err)
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[str, str]:
+        """Waits for the exit (TimeoutExpired after `timeout`); returns (stdout, stderr)."""
+        self.wait(timeout=timeout)
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return "".join(self._out), "".join(self._err)
+
+
+def _read_into(stream: Any, sink: list[str]) -> None:
+    for line in iter(stream.readline, ""):
+        sink.append(line)
+
+
 def spawn_worker(dsn: str, schema: str, *args: str, app: str = "apps.testapp:queue",
-                 env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+                 env: dict[str, str] | None = None) -> WorkerProcess:
     """A worker process started the way users start one: `python -m asyncjobq worker APP`."""
     full_env = {**os.environ, "ASYNCJOBQ_DSN": dsn, "ASYNCJOBQ_TEST_SCHEMA": schema,
                 "PYTHONPATH": str(TESTS), **(env or {})}
-    return subprocess.Popen(
+    return WorkerProcess(
         [sys.executable, "-m", "asyncjobq", "worker", app, "--log-level", "warning", *args],
-        cwd=TESTS, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=TESTS, env=full_env)
 
 
 def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None,

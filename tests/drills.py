@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from claims import CREATE_CLAIMS, DOUBLE_CLAIMS
-from conftest import execute, fetchval, spawn_worker, wait_for
+from conftest import WorkerProcess, execute, fetchval, spawn_worker, wait_for
 
 from asyncjobq import Queue
 
@@ -41,12 +39,8 @@ class Drill:
         self.fault = fault
         self.jobs = jobs
         self.seconds = seconds
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[WorkerProcess] = []
         self.fault_ended = 0.0
-        # A worker whose stderr pipe is full blocks on its next log line: read the pipes as the
-        # workers write them (a storm of lost connections logs far more than a pipe holds).
-        self._stderr: dict[int, list[str]] = {}
-        self._readers: dict[int, threading.Thread] = {}
 
     async def setup(self) -> None:
         await execute(self.queue, CREATE_CLAIMS)
@@ -59,29 +53,21 @@ class Drill:
         self.jobs += n
         return ids
 
-    def start_worker(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    def start_worker(self, *args: str, env: dict[str, str] | None = None) -> WorkerProcess:
         p = spawn_worker(self.dsn, self.queue.schema, *WORKER_ARGS, *args, env=env)
         self.procs.append(p)
-        lines: list[str] = []
-        self._stderr[p.pid] = lines
-        for stream, sink in ((p.stderr, lines), (p.stdout, [])):
-            reader = threading.Thread(target=_read_into, args=(stream, sink), daemon=True)
-            reader.start()
-            self._readers[p.pid * 2 + (stream is p.stdout)] = reader
         return p
 
-    def stderr(self, p: subprocess.Popen[str]) -> str:
+    def stderr(self, p: WorkerProcess) -> str:
         """What the worker has written to stderr so far."""
-        return "".join(self._stderr[p.pid])
+        return p.stderr_so_far()
 
-    def wait(self, p: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str]:
+    def wait(self, p: WorkerProcess, timeout: float = 30) -> tuple[int, str]:
         """Waits for the worker to exit; returns (returncode, stderr)."""
-        p.wait(timeout=timeout)
-        for key in (p.pid * 2, p.pid * 2 + 1):
-            self._readers[key].join(timeout=10)
-        return p.returncode, self.stderr(p)
+        _, err = p.communicate(timeout=timeout)
+        return p.returncode, err
 
-    def live(self) -> list[subprocess.Popen[str]]:
+    def live(self) -> list[WorkerProcess]:
         return [p for p in self.procs if p.poll() is None]
 
     async def executed(self) -> int:
@@ -115,11 +101,6 @@ class Drill:
                 p.kill()
             out.append(self.wait(p))
         return out
-
-
-def _read_into(stream: Any, sink: list[str]) -> None:
-    for line in iter(stream.readline, ""):
-        sink.append(line)
 
 
 def assert_clean(result: DrillResult) -> None:
