@@ -13,11 +13,17 @@ from typing import Any
 import anyio
 import psycopg
 import pytest
-from conftest import fetchval, wait_for
+from conftest import execute, fetchval, wait_for
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from asyncjobq import DatabaseUnavailableError, EnqueueConnectionError, Queue
+from asyncjobq import (
+    ConfigurationError,
+    DatabaseUnavailableError,
+    EnqueueConnectionError,
+    EnqueueRefusedError,
+    Queue,
+)
 
 
 def stop_server(server: Any) -> None:
@@ -228,3 +234,107 @@ async def test_callers_connection_lost_in_its_transaction(queue: Queue, pg_dsn: 
                     await queue.enqueue("t", {}, conn=c)
             assert e.value.may_have_been_written is False
     assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 0
+
+
+# --- what the server refuses, and the producer's own mistakes ------------------------------------
+
+
+def with_options(dsn: str, options: str) -> str:
+    return psycopg.conninfo.make_conninfo(dsn, options=options)
+
+
+async def test_a_read_only_server_refuses_every_enqueue_in_our_words(pg_dsn: str,
+                                                                     schema: str) -> None:
+    """After a failover the DSN may reach a standby: each kind of enqueue says so and what to
+    do (before: a raw ReadOnlySqlTransaction, the dedup one saying "cannot execute SELECT")."""
+    async with Queue(pg_dsn, schema=schema) as q:
+        await q.install()
+    async with Queue(with_options(pg_dsn, "-c default_transaction_read_only=on"),
+                     schema=schema) as q:
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: q.enqueue("t", {}),
+            lambda: q.enqueue("t", {}, dedup_key="k"),
+            lambda: q.enqueue_many("t", [{}, {}]),
+        ]
+        for call in calls:
+            with pytest.raises(EnqueueRefusedError) as e:
+                await call()
+            assert e.value.sqlstate == "25006"
+            assert "nothing was written" in str(e.value)
+            assert "point the DSN at the new primary" in str(e.value)
+            assert isinstance(e.value.__cause__, psycopg.errors.ReadOnlySqlTransaction)
+        async with q.connection() as c, c.transaction():
+            with pytest.raises(EnqueueRefusedError, match="roll it back"):
+                await q.enqueue("t", {}, conn=c)
+            raise psycopg.Rollback()
+
+
+async def test_one_bad_row_in_a_coalesced_batch_fails_only_its_caller(queue: Queue) -> None:
+    """The inserter's row-by-row retry still tells rows apart under the refused error."""
+    await execute(queue, "ALTER TABLE {s}.jobs ADD CONSTRAINT no_bad"
+                         " CHECK (payload->>'bad' IS NULL)")
+    results = await asyncio.gather(
+        *(queue.enqueue("t", {"bad": 1} if i == 7 else {"i": i}) for i in range(40)),
+        return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert len(errors) == 1 and isinstance(errors[0], EnqueueRefusedError), errors
+    assert errors[0].sqlstate == "23514" and isinstance(results[7], EnqueueRefusedError)
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 39
+
+
+async def test_a_statement_timeout_on_a_locked_table_is_refused_in_our_words(
+        pg_dsn: str, schema: str) -> None:
+    async with Queue(pg_dsn, schema=schema) as q:
+        await q.install()
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as locker:
+            await locker.execute(sql.SQL("LOCK TABLE {}.jobs").format(sql.Identifier(schema)))
+            async with Queue(with_options(pg_dsn, "-c statement_timeout=200"),
+                             schema=schema) as short:
+                with pytest.raises(EnqueueRefusedError, match="statement_timeout") as e:
+                    await short.enqueue("t", {})
+                assert e.value.sqlstate == "57014"
+
+
+async def test_a_pool_held_by_the_caller_says_so(pg_dsn: str, schema: str) -> None:
+    """An enqueue without conn= while the caller holds the only pooled connection: the error
+    names the pool and conn=, not only a server that may be down."""
+    async with Queue(pg_dsn, schema=schema, pool_max_size=1, connect_timeout=0.5) as q:
+        await q.install()
+        async with q.connection():
+            with pytest.raises(EnqueueConnectionError) as e:
+                await q.enqueue("t", {})
+        assert e.value.may_have_been_written is False
+        assert "pool_max_size" in str(e.value) and "conn=" in str(e.value)
+        assert await q.enqueue("t", {}) > 0  # and a fraction of a second opened the pool
+
+
+@pytest.mark.parametrize("bad", [0, -1, "5", None, float("nan"), True])
+def test_a_bad_connect_timeout_is_refused(bad: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"connect_timeout=.*: use a number of seconds"):
+        Queue("postgresql://unused", connect_timeout=bad)  # type: ignore[arg-type]
+
+
+async def test_pooled_connections_detect_a_server_that_vanished(queue: Queue) -> None:
+    """A server gone without closing the socket must end the connection in seconds, not after
+    the kernel's ~15 min retransmission timeout: keepalives and tcp_user_timeout are set."""
+    async with queue.connection() as conn:
+        params = conn.pgconn.info
+    given = {p.keyword.decode(): (p.val or b"").decode() for p in params}
+    assert given["keepalives"] == "1"
+    assert int(given["tcp_user_timeout"]) > 0
+    assert int(given["keepalives_idle"]) > 0
+
+
+async def test_on_enqueued_is_not_told_of_a_dedup_key_that_matched(queue: Queue) -> None:
+    seen: list[list[int]] = []
+
+    class Hook:
+        async def on_enqueued(self, job_ids: list[int], task: str, queue: str) -> None:
+            seen.append(job_ids)
+
+    queue.add_hook(Hook())
+    first = await queue.enqueue("t", {}, dedup_key="k")
+    assert await queue.enqueue("t", {}, dedup_key="k") == first
+    plain = await queue.enqueue("t", {})
+    await wait_for(lambda: [plain] in seen, timeout=5, what="the plain enqueue's hook")
+    assert sorted(seen) == [[first], [plain]]

@@ -13,7 +13,7 @@ from conftest import execute, fetchval
 from psycopg import sql
 
 import asyncjobq
-from asyncjobq import Queue
+from asyncjobq import EnqueueRefusedError, Queue
 from asyncjobq._db import migrations
 from asyncjobq._db.inserter import Inserter
 
@@ -297,7 +297,8 @@ async def test_a_row_the_server_refuses_fails_only_its_own_enqueue(queue: Queue)
     await asyncio.wait_for(first, 10)
     results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
     assert write.sizes == [1, 6, 1, 1, 1, 1, 1, 1], "not one batch, then row by row"
-    assert isinstance(results[2], psycopg.errors.InvalidTextRepresentation)
+    assert isinstance(results[2], EnqueueRefusedError), results[2]
+    assert isinstance(results[2].__cause__, psycopg.errors.InvalidTextRepresentation)
     ids = [r for r in results if not isinstance(r, BaseException)]
     assert len(ids) == 5
     assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 6

@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -116,32 +115,6 @@ def _db_options(fn: F) -> F:
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("psycopg.pool").addFilter(_OncePerInterval())
-
-
-class _OncePerInterval(logging.Filter):
-    """psycopg_pool warns once per dead connection it discards: when the server ends every
-    backend, that is one line per connection per outage (hundreds a second in a
-    pg_terminate_backend storm), while asyncjobq's own parts already say what was lost and what
-    they do about it. One such line per interval, with the count of the ones held back."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        super().__init__()
-        self.interval = interval
-        self.last = -interval
-        self.held = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("discarding closed connection"):
-            return True
-        now = time.monotonic()
-        if now - self.last < self.interval:
-            self.held += 1
-            return False
-        if self.held:
-            record.msg = f"{record.msg} (and {self.held} more in the last {self.interval:g} s)"
-        self.last, self.held = now, 0
-        return True
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -35,6 +35,16 @@ class EnqueueConnectionError(DatabaseUnavailableError):
         self.may_have_been_written = may_have_been_written
 
 
+class EnqueueRefusedError(AsyncJobQError):
+    """PostgreSQL refused an enqueue's INSERT (a read-only server after a failover, a
+    statement_timeout, a missing privilege, a constraint of the operator's): nothing was
+    written. `sqlstate` is the server's code; the psycopg error is the `__cause__`."""
+
+    def __init__(self, message: str, *, sqlstate: str | None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
 class SchemaNotInstalledError(AsyncJobQError):
     """The queue schema does not exist yet."""
 
@@ -56,8 +66,10 @@ def reason(e: BaseException) -> str:
     from psycopg_pool import PoolTimeout
 
     if isinstance(e, PoolTimeout):
-        return ("no database connection became available in time; the server may be refusing "
-                "new connections (check max_connections and other clients) or be down")
+        return ("no database connection became available in time: every pooled connection "
+                "may be in use (raise the Queue's pool_max_size, or pass conn= to an enqueue "
+                "made while holding queue.connection()), or the server may be refusing new "
+                "connections (check max_connections and other clients) or be down")
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 

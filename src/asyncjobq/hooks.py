@@ -3,7 +3,10 @@
 A hook is any object with one or more of these `async def` methods, called with keyword
 arguments (docs/architecture.md lists where each fires):
 
-    on_enqueued(job_ids, task, queue)        after an enqueue (or enqueue_many) returned its ids
+    on_enqueued(job_ids, task, queue)        an enqueue (or enqueue_many) wrote these jobs; with
+                                             conn= before the caller's transaction commits (a
+                                             rollback leaves no job); not for a dedup_key that
+                                             matched a live job
     on_claimed(jobs)                         a worker claimed these jobs
     on_started(job)                          just before the handler runs
     on_finished(job, outcome, duration)      the attempt ended: outcome is one of FINISHED

@@ -82,6 +82,10 @@ class Queue:
         self.schema = validate_schema(schema)
         # How long done/cancelled jobs stay queryable in history; workers prune past it.
         self.retention = Retention.of(retention, queue_retention)
+        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int | float) \
+                or not math.isfinite(connect_timeout) or connect_timeout <= 0:
+            raise ConfigurationError(f"connect_timeout={connect_timeout!r}: use a number of "
+                                     "seconds above 0, e.g. 10")
         if pool_min_size < 0 or pool_max_size < max(1, pool_min_size):
             raise ConfigurationError(
                 f"pool sizes min={pool_min_size} max={pool_max_size} are invalid: "
@@ -446,7 +450,7 @@ class Queue:
                                resend=dedup_key is not None, advice=advice)
             if rows:
                 job_id = int(rows[0][0])
-                if self.hooks.on_enqueued:
+                if rows[0][1] and self.hooks.on_enqueued:
                     self.hooks.spawn("on_enqueued", job_ids=[job_id], task=name, queue=q)
                 return job_id
             # The duplicate committed after our snapshot, or finished meanwhile: look again.
@@ -631,7 +635,8 @@ class Queue:
 _USE_DEDUP = ("enqueueing it again may create it twice: pass a dedup_key to make that safe "
               "(enqueue then sends it again by itself)")
 _RESEND_DEDUP = ("enqueue it again with the same dedup_key: that returns the existing job's id "
-                 "while it is queued or running")
+                 "while it is queued or running (one that already ran is not matched: a new "
+                 "job is created)")
 _MANY_UNSURE = ("enqueueing them again may create them twice: look for them first, or enqueue "
                 "each with a dedup_key")
 

@@ -7,6 +7,8 @@ database through a Database, handed to it by Queue or Worker, never through the 
 
 from __future__ import annotations
 
+import logging
+import math
 import select
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -36,6 +38,44 @@ NOT_OPEN = "the queue is not open: use `async with queue:` or `await queue.open(
 RECONNECT_INTERVAL = 0.5
 # How long a checkout waits for a pooled connection (psycopg_pool's default).
 POOL_TIMEOUT = 30.0
+# A server that vanished without closing the socket (a failover to another host, a dropped
+# NAT entry) answers nothing, and the check on checkout sees nothing to read: without these, a
+# statement sent on such a connection waits for the kernel's retransmission timeout (~15 min).
+# Data unacknowledged for TCP_USER_TIMEOUT ms, or an idle connection whose probes go
+# unanswered for KEEPALIVES_IDLE + 3 * 2 s, ends the connection with an error instead.
+TCP_USER_TIMEOUT = 10_000
+KEEPALIVES_IDLE = 10
+
+
+class OncePerInterval(logging.Filter):
+    """psycopg_pool warns once per dead connection it discards: when the server ends every
+    backend, that is one line per connection per outage (hundreds a second in a
+    pg_terminate_backend storm), while asyncjobq's own parts already say what was lost and what
+    they do about it. One such line per interval, with the count of the ones held back."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        super().__init__()
+        self.interval = interval
+        self.last = -interval
+        self.held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("discarding closed connection"):
+            return True
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.held += 1
+            return False
+        if self.held:
+            record.msg = f"{record.msg} (and {self.held} more in the last {self.interval:g} s)"
+        self.last, self.held = now, 0
+        return True
+
+
+def _quiet_pool_discards() -> None:
+    pool_log = logging.getLogger("psycopg.pool")
+    if not any(isinstance(f, OncePerInterval) for f in pool_log.filters):
+        pool_log.addFilter(OncePerInterval())
 
 
 class _Reconnect(AttemptWithBackoff):
@@ -111,8 +151,9 @@ class Database:
         # One direct attempt first: an unreachable server fails in seconds with the driver's
         # reason, instead of a pool timeout that hides it.
         try:
+            # libpq reads connect_timeout=0 as "wait for ever": round a fraction up.
             probe = await AsyncConnection.connect(
-                dsn, connect_timeout=int(self.connect_timeout),
+                dsn, connect_timeout=max(1, math.ceil(self.connect_timeout)),
                 application_name=self.application_name)
             await probe.close()
         except psycopg.OperationalError as e:
@@ -128,7 +169,10 @@ class Database:
             # connect_timeout: an attempt to a host that does not answer (no refusal either)
             # holds one of the pool's few maintenance workers; bound it.
             kwargs={"autocommit": True, "application_name": self.application_name,
-                    "connect_timeout": max(1, int(self.connect_timeout))},
+                    "connect_timeout": max(1, math.ceil(self.connect_timeout)),
+                    "keepalives": 1, "keepalives_idle": KEEPALIVES_IDLE,
+                    "keepalives_interval": 2, "keepalives_count": 3,
+                    "tcp_user_timeout": TCP_USER_TIMEOUT},
             open=False,
             # No check= here: connection() checks (see there), without the pool's pause.
             name=f"asyncjobq-{self.schema}",
@@ -143,6 +187,7 @@ class Database:
                 f"{self.connect_timeout} s: check max_connections and the server's load"
             ) from None
         self._pool = pool
+        _quiet_pool_discards()
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None

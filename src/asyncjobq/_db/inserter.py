@@ -27,7 +27,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 from psycopg_pool import PoolTimeout
 
-from ..errors import EnqueueConnectionError, reason
+from ..errors import EnqueueConnectionError, EnqueueRefusedError, reason
 from .database import Conn, Database
 
 # Errors that one row can cause for the whole statement: a value PostgreSQL refuses (22xxx
@@ -101,8 +101,8 @@ class Inserter:
         try:
             try:
                 ids = await self._insert([row for row, _ in batch])
-            except ROW_ERRORS:
-                if len(batch) == 1:
+            except EnqueueRefusedError as e:
+                if len(batch) == 1 or not isinstance(e.__cause__, ROW_ERRORS):
                     raise
                 await self._one_by_one(batch)
                 return
@@ -181,7 +181,7 @@ async def write(db: Database, conn: Conn | None, statement: sql.Composed, params
             raise _maybe_written(what, lost, advice) from None
         except psycopg.Error as e:
             if c is None or not (c.closed or c.broken):
-                raise  # the server refused the statement: not a connection failure
+                raise _refused(what, e, caller=False) from e  # not a connection failure
             lost = reason(e)
             if not resend or time.monotonic() >= deadline:
                 raise _maybe_written(what, lost, advice) from None
@@ -198,7 +198,7 @@ async def _write_on_callers(db: Database, conn: Conn, statement: sql.Composed, p
             return await cur.fetchall()
     except psycopg.Error as e:
         if not (conn.closed or conn.broken):
-            raise
+            raise _refused(what, e, caller=not own_commit) from e
         if own_commit:
             raise _maybe_written(what, reason(e), advice, caller=True) from None
         raise EnqueueConnectionError(
@@ -206,6 +206,31 @@ async def _write_on_callers(db: Database, conn: Conn, statement: sql.Composed, p
             "is lost (the server rolls it back), so nothing written in it is committed, "
             f"{what} included: run the transaction again on a new connection",
             may_have_been_written=False) from None
+
+
+# What a producer can do about what the server says (the worker's loops have their own advice,
+# retrying.py: they wait; a producer's caller decides).
+_REFUSED_ADVICE = {
+    "25006": "the server is read-only (a standby, or default_transaction_read_only is on): "
+             "after a failover, point the DSN at the new primary",
+    "42501": "grant the producer's role USAGE on the queue's schema, INSERT and SELECT on its "
+             "jobs table and USAGE on its sequence (GRANT ... TO <role>)",
+    "57014": "the INSERT was cancelled: check statement_timeout for this role and database "
+             "(SHOW statement_timeout) and what holds locks on the jobs table (pg_locks)",
+    "55P03": "a lock was not granted in time: check lock_timeout and what holds locks on the "
+             "jobs table (pg_locks)",
+}
+
+
+def _refused(what: str, e: psycopg.Error, *, caller: bool) -> EnqueueRefusedError:
+    sqlstate = e.sqlstate
+    advice = (_REFUSED_ADVICE.get(sqlstate or "")
+              or "fix what the server names and enqueue again")
+    tx = (": the transaction on conn= is aborted, roll it back and run it again once fixed"
+          if caller else "")
+    return EnqueueRefusedError(
+        f"enqueue: PostgreSQL refused the INSERT of {what} ({reason(e)}); nothing was "
+        f"written{tx}; {advice}", sqlstate=sqlstate)
 
 
 def _maybe_written(what: str, lost: str, advice: str,

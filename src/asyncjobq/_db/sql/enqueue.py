@@ -13,7 +13,8 @@ class EnqueueStatements(Role):
 
     @property
     def job_insert(self) -> sql.Composed:
-        # A live duplicate dedup_key returns the existing job's id. DO NOTHING (not a no-op
+        # A live duplicate dedup_key returns the existing job's id (and false: not a new job,
+        # for on_enqueued). DO NOTHING (not a no-op
         # DO UPDATE) keeps producers free of UPDATE privilege; when the duplicate was committed
         # after this statement's snapshot, no id comes back and the caller runs it again.
         return _q(
@@ -26,9 +27,9 @@ class EnqueueStatements(Role):
             " ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL"
             "   AND status IN ('queued', 'running') DO NOTHING"
             " RETURNING id)"
-            " SELECT id FROM ins"
+            " SELECT id, true FROM ins"
             " UNION ALL"
-            " SELECT id FROM {s}.jobs WHERE dedup_key = %(dedup_key)s"
+            " SELECT id, false FROM {s}.jobs WHERE dedup_key = %(dedup_key)s"
             "   AND status IN ('queued', 'running') AND NOT EXISTS (SELECT FROM ins)"
             " LIMIT 1",
             self.schema,
