@@ -4,16 +4,22 @@ enqueued, and the pytest plugin's asyncjobq_isolated fixture."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 import pytest_asyncio
+from conftest import ROOT
 from psycopg import sql
 
 from asyncjobq import AsyncJobQError, ConfigurationError, Fail, Job, Queue, Retry, Task
@@ -413,3 +419,34 @@ async def test_the_plugin_fixture_isolates_a_queue_on_the_sessions_server(
             cur = await conn.execute(sql.SQL("SELECT count(*) FROM {}.jobs").format(
                 sql.Identifier(q.schema)))
             assert await cur.fetchone() == (0,)
+
+
+# --- the example, run as a user runs it ----------------------------------------------------
+
+EXAMPLE_FILES = ("starlette_app.py", "conftest.py", "test_starlette_app.py")
+
+
+def run_pytest(where: Path, dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "ASYNCJOBQ_DSN", "PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
+    env["ASYNCJOBQ_TEST_DSN"] = dsn
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *args], cwd=where, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_example_suite_passes_in_a_clean_directory_through_the_entry_point(
+        tmp_path: Path, pg_dsn: str) -> None:
+    """examples/'s tests as a separate pytest session away from this repository (no
+    pyproject, no conftest of ours): the fixture can only come from the installed package's
+    pytest11 entry point."""
+    for name in EXAMPLE_FILES:
+        shutil.copy(ROOT / "examples" / name, tmp_path / name)
+    assert "pytest_plugins" not in (tmp_path / "conftest.py").read_text()
+    result = run_pytest(tmp_path, pg_dsn)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\b2 passed\b", result.stdout), result.stdout
+    # Without the plugin the fixture is missing: it was the entry point that provided it.
+    result = run_pytest(tmp_path, pg_dsn, "-p", "no:asyncjobq")
+    assert result.returncode != 0
+    assert "fixture 'asyncjobq_isolated' not found" in result.stdout, result.stdout
