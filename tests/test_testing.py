@@ -405,6 +405,9 @@ async def test_perform_names_the_fix_for_a_bad_argument() -> None:
         await perform(a.queue, a.welcome, ["x"])  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match=r"takes the app's asyncjobq.Queue first"):
         await perform(a.welcome, a.welcome)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"payload is not JSON-serialisable .* pass "
+                                                 r"only dicts"):
+        await perform(a.queue, a.welcome, {"to": object()})
 
 
 # --- the plugin ----------------------------------------------------------------------------
@@ -450,3 +453,38 @@ def test_the_example_suite_passes_in_a_clean_directory_through_the_entry_point(
     result = run_pytest(tmp_path, pg_dsn, "-p", "no:asyncjobq")
     assert result.returncode != 0
     assert "fixture 'asyncjobq_isolated' not found" in result.stdout, result.stdout
+
+
+def test_the_helpers_import_without_pytest_and_the_plugin_finds_its_own_server(
+        tmp_path: Path) -> None:
+    """`pip install asyncjobq` users have no pytest: asyncjobq.testing must not need it. And
+    with no $ASYNCJOBQ_TEST_DSN the plugin starts an embedded PostgreSQL of the session's."""
+    check = subprocess.run(
+        [sys.executable, "-c", "import sys, asyncjobq.testing; "
+         "sys.exit('pytest imported' if 'pytest' in sys.modules else 0)"],
+        capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+    (tmp_path / "test_alone.py").write_text(
+        "import pytest\n"
+        "from asyncjobq import Queue\n"
+        "from asyncjobq.testing import drain\n\n"
+        "app = Queue(schema='alone')\n\n"
+        "@app.task(name='noop')\n"
+        "async def noop(job):\n    return None\n\n"
+        "@pytest.mark.asyncio\n"
+        "async def test_alone(asyncjobq_isolated):\n"
+        "    async with asyncjobq_isolated(app) as q:\n"
+        "        await noop.enqueue()\n"
+        "        assert (await drain(q))['done'] == 1\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "ASYNCJOBQ_DSN", "ASYNCJOBQ_TEST_DSN", "ASYNCJOBQ_HOME")}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "--basetemp", str(tmp_path / "base")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\b1 passed\b", result.stdout), result.stdout
+    # The server lived in the session's temporary directory (deleted after it), not in
+    # ./.asyncjobq.
+    assert (tmp_path / "base" / "asyncjobq-pg0").is_dir()
+    assert not (tmp_path / "base" / "asyncjobq-pg0" / "data").exists()
+    assert not (tmp_path / ".asyncjobq").exists()

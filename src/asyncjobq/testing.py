@@ -32,7 +32,7 @@ from psycopg import sql
 from ._worker.executor import RunningJob, execute, finished
 from ._worker.outcome import Outcome as _Outcome
 from ._worker.threads import ThreadRunner
-from .errors import AsyncJobQError, ConfigurationError, a_or_an
+from .errors import AsyncJobQError, ConfigurationError, InvalidPayloadError, a_or_an
 from .hooks import CallNext
 from .job import Job, JobInfo
 from .queue import Queue
@@ -248,7 +248,13 @@ async def perform(q: Queue, task: str | Task, payload: Mapping[str, Any] | None 
             f"perform(): task {name!r} is not registered on this queue (registered: {known}): "
             "pass the Task object, or register the handler with @queue.task()")
     body = dict(_check_payload(payload))
-    json.dumps(body)  # a payload a worker could never receive fails here, as enqueue would
+    try:
+        # A payload a worker could never receive fails here, as enqueue would refuse it.
+        json.dumps(body, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidPayloadError(
+            f"payload is not JSON-serialisable ({e}): a job's payload is stored as JSON; pass "
+            "only dicts, lists, str, int, finite float, bool and None") from None
     if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
         raise ConfigurationError(f"attempt={attempt!r}: use 1 (the first) or more")
     now = datetime.now(UTC)
