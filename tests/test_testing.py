@@ -153,9 +153,10 @@ async def test_isolated_refuses_an_open_queue_and_what_is_not_a_queue(pg_dsn: st
     with pytest.raises(ConfigurationError, match=r"takes the app's asyncjobq.Queue, got a str"):
         async with isolated("queue", dsn=pg_dsn):  # type: ignore[arg-type]
             pass
-    with pytest.raises(ConfigurationError, match="malformed"):
-        async with isolated(a.queue, dsn="postgresql://host:notaport/db"):
-            pass
+    for bad in ("postgresql://host:notaport/db", "host='unclosed"):
+        with pytest.raises(ConfigurationError, match="malformed"):
+            async with isolated(a.queue, dsn=bad):
+                pass
     assert a.queue.schema == "app_never_used"
 
 

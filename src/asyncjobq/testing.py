@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import time
 import uuid
@@ -48,6 +49,8 @@ __all__ = [
     "perform",
     "refute_enqueued",
 ]
+
+log = logging.getLogger("asyncjobq.testing")
 
 TEST_DSN_ENV = "ASYNCJOBQ_TEST_DSN"
 # A job run this many times by one drain is retrying at once forever (Retry(delay=0) on every
@@ -92,15 +95,31 @@ async def isolated(queue: Queue, *, dsn: str | None = None) -> AsyncIterator[Que
         raise ConfigurationError(f"dsn={dsn!r}: pass a PostgreSQL DSN string, or None")
     server = dsn or os.environ.get(TEST_DSN_ENV) or queue.dsn
     schema = f"asyncjobq_test_{uuid.uuid4().hex[:16]}"
-    bound = psycopg.conninfo.make_conninfo(server, options=_search_path_first(server, schema))
+    try:
+        bound = psycopg.conninfo.make_conninfo(server,
+                                               options=_search_path_first(server, schema))
+    except psycopg.ProgrammingError as e:
+        raise ConfigurationError(
+            f"the test DSN is malformed ({str(e).strip()}): use a URI like "
+            "postgresql://user@host:5432/dbname, via dsn= or $ASYNCJOBQ_TEST_DSN") from None
     with queue.bound_to(bound, schema):
+        failed = False
         try:
             async with queue:
                 await queue.install()
                 yield queue
+        except BaseException:
+            failed = True
+            raise
         finally:
-            # Not through the queue's pool, which is closed by now.
-            await _drop_schema(server, schema)
+            try:
+                # Not through the queue's pool, which is closed by now.
+                await _drop_schema(server, schema)
+            except psycopg.Error as e:
+                if not failed:
+                    raise
+                # The test's own error is the one to see; the schema is only litter.
+                log.warning("could not drop test schema %s: %s", schema, e)
 
 
 def _search_path_first(dsn: str, schema: str) -> str:
