@@ -7,7 +7,9 @@ Serve it with any ASGI server (`uvicorn examples.starlette_app:app`) and run its
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
+from psycopg import AsyncConnection
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -32,15 +34,20 @@ async def send_receipt(job: Job) -> None:
                            (job.payload["order_id"],))
 
 
+async def place_order(conn: AsyncConnection[Any], total: float) -> int:
+    """Write the order and its receipt's job in the caller's transaction."""
+    cur = await conn.execute("INSERT INTO orders (total) VALUES (%s) RETURNING id", (total,))
+    row = await cur.fetchone()
+    assert row is not None                           # RETURNING gives one row
+    order_id: int = row[0]
+    await send_receipt.enqueue({"order_id": order_id}, conn=conn)  # same transaction
+    return order_id
+
+
 async def create_order(request: Request) -> JSONResponse:
     order = await request.json()
     async with queue.connection() as conn, conn.transaction():
-        cur = await conn.execute("INSERT INTO orders (total) VALUES (%s) RETURNING id",
-                                 (order["total"],))
-        row = await cur.fetchone()
-        assert row is not None                       # RETURNING gives one row
-        order_id = row[0]
-        await send_receipt.enqueue({"order_id": order_id}, conn=conn)  # same transaction
+        order_id = await place_order(conn, order["total"])
     return JSONResponse({"id": order_id})
 
 

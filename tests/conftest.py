@@ -167,3 +167,9 @@ def restart(server: Any, mode: str) -> None:
 
     pg_ctl(["-w", "-m", mode, "restart"], pgdata=server.pgdata, user=server.system_user,
            timeout=60)
+
+
+@pytest.fixture(scope="session")
+def asyncjobq_dsn(pg_dsn: str) -> str:
+    """The plugin's session server (asyncjobq.pytest_plugin) is this suite's own."""
+    return pg_dsn

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("maintenance services", ("asyncjobq._maintenance",)),
     ("public API", ("asyncjobq.queue", "asyncjobq.worker", "asyncjobq")),
     ("tools", ("asyncjobq.cli", "asyncjobq.doctor", "asyncjobq.demo", "asyncjobq.runtime",
-               "asyncjobq.__main__")),
+               "asyncjobq.__main__", "asyncjobq.testing", "asyncjobq.pytest_plugin")),
 ]
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ._db import migrations
 from ._db.database import NOT_OPEN, Conn, Database, storable
-from ._db.dsn import validate_schema
+from ._db.dsn import check_dsn, validate_schema
 from ._db.inserter import Inserter, write
 from ._db.sql import Statements
 from ._maintenance.periodic import (
@@ -79,7 +79,7 @@ class Queue:
         retention: Age = DEFAULT_RETENTION,
         queue_retention: Mapping[str, Age] | None = None,
     ) -> None:
-        self.schema = validate_schema(schema)
+        schema = validate_schema(schema)
         # How long done/cancelled jobs stay queryable in history; workers prune past it.
         self.retention = Retention.of(retention, queue_retention)
         if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int | float) \
@@ -91,7 +91,7 @@ class Queue:
                 f"pool sizes min={pool_min_size} max={pool_max_size} are invalid: "
                 "use 0 <= pool_min_size <= pool_max_size and pool_max_size >= 1"
             )
-        self._db = Database(dsn, schema=self.schema, pool_min_size=pool_min_size,
+        self._db = Database(dsn, schema=schema, pool_min_size=pool_min_size,
                             pool_max_size=pool_max_size, connect_timeout=connect_timeout,
                             application_name=application_name)
         self._inserter: Inserter | None = None
@@ -102,6 +102,11 @@ class Queue:
 
     def __repr__(self) -> str:
         return f"<asyncjobq.Queue schema={self.schema!r} dsn={self._db.where()!r}>"
+
+    @property
+    def schema(self) -> str:
+        """The schema holding the queue's tables."""
+        return self._db.schema
 
     @property
     def database(self) -> Database:
@@ -137,6 +142,17 @@ class Queue:
     def set_dsn(self, dsn: str | None) -> None:
         """Point a not-yet-opened queue at another database (the CLI's --dsn does this)."""
         self._db.set_dsn(dsn)
+
+    @contextmanager
+    def bound_to(self, dsn: str, schema: str) -> Iterator[Queue]:
+        """Point this closed queue at another database and schema for the block, then back as
+        it was: the app's module-level tasks keep enqueueing through the same object
+        (asyncjobq.testing.isolated does this). Close the queue before the block ends."""
+        before = self._db.rebind(check_dsn(dsn), validate_schema(schema))
+        try:
+            yield self
+        finally:
+            self._db.restore(before)
 
     # --- task registry ---------------------------------------------------------------------
 

@@ -140,6 +140,22 @@ class Database:
         self._dsn_arg = dsn
         self._dsn = None
 
+    def rebind(self, dsn: str | None, schema: str) -> tuple[str | None, str | None, str]:
+        """Point a closed Database at another DSN and schema; returns what to pass to
+        `restore` to point it back as it was."""
+        if self._pool is not None:
+            raise ConfigurationError("rebinding an open queue: close it first")
+        before = (self._dsn_arg, self._dsn, self.schema)
+        self._dsn_arg, self._dsn, self.schema = dsn, None, schema
+        self.sql = statements(schema)
+        return before
+
+    def restore(self, binding: tuple[str | None, str | None, str]) -> None:
+        if self._pool is not None:
+            raise ConfigurationError("restoring an open queue: close it first")
+        self._dsn_arg, self._dsn, self.schema = binding
+        self.sql = statements(self.schema)
+
     @property
     def is_open(self) -> bool:
         return self._pool is not None

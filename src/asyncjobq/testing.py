@@ -1,0 +1,461 @@
+"""Helpers for testing an app's jobs on a real PostgreSQL (DESIGN §12, README: Testing your jobs).
+
+    async with isolated(app.queue) as q:          # a throwaway schema, installed and opened
+        await signup(...)                         # the app enqueues through the same Queue
+        await assert_enqueued(q, "send_welcome", {"user_id": 7})
+        assert await drain(q) == {"done": 1, "retry": 0, "failed": 0, "snoozed": 0}
+
+`drain` and `perform` run handlers through the worker's own executor (timeouts, Retry, Fail,
+middleware, hooks), and `drain` writes each outcome with the worker's fenced completion
+statement, so a job ends in the state a worker would leave it in. The pytest plugin
+(asyncjobq.pytest_plugin, loaded by pytest through its `pytest11` entry point) gives the
+`asyncjobq_isolated` fixture.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+import psycopg
+from psycopg import sql
+
+# The executor is the worker's own, not a copy: a test must see what a worker would do.
+from ._worker.executor import RunningJob, execute, finished
+from ._worker.outcome import Outcome as _Outcome
+from ._worker.threads import ThreadRunner
+from .errors import AsyncJobQError, ConfigurationError, InvalidPayloadError, a_or_an
+from .hooks import CallNext
+from .job import Job, JobInfo
+from .queue import Queue
+from .task import Task
+
+__all__ = [
+    "TEST_DSN_ENV",
+    "Outcome",
+    "assert_enqueued",
+    "drain",
+    "enqueued",
+    "isolated",
+    "perform",
+    "refute_enqueued",
+]
+
+log = logging.getLogger("asyncjobq.testing")
+
+TEST_DSN_ENV = "ASYNCJOBQ_TEST_DSN"
+# A job run this many times by one drain is retrying at once forever (Retry(delay=0) on every
+# attempt): the drain stops and says so instead of spinning until the test times out.
+RUNS_PER_JOB_LIMIT = 100
+
+Kind = Literal["retry", "snoozed", "failed"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What `perform` returns when the handler did not complete: "retry" (it raised, attempts
+    remain), "snoozed" (it raised Retry), "failed" (Fail, or its last attempt raised); `error`
+    is the text a worker would append to last_error, `delay` the seconds until the next try."""
+
+    kind: Kind
+    error: str | None = None
+    delay: float = 0.0
+
+
+# --- isolated ------------------------------------------------------------------------------
+
+@asynccontextmanager
+async def isolated(queue: Queue, *, dsn: str | None = None) -> AsyncIterator[Queue]:
+    """Bind `queue` (the app's own object) to a fresh schema, installed and opened, for the
+    block; then close it, drop the schema and point the queue back where it was.
+
+    The server is `dsn`, else $ASYNCJOBQ_TEST_DSN, else the queue's own DSN (its argument,
+    $ASYNCJOBQ_DSN or the embedded server). The queue's connections put the schema first in
+    their search_path, so tables the app creates through `queue.connection()` land in it and
+    go with it.
+    """
+    if not isinstance(queue, Queue):
+        raise ConfigurationError(
+            f"isolated() takes the app's asyncjobq.Queue, got {a_or_an(type(queue).__name__)}: "
+            "pass the Queue object your tasks are registered on")
+    if queue.database.is_open:
+        raise ConfigurationError(
+            f"isolated() needs {queue!r} closed, but it is open: enter isolated() before the "
+            "app opens it (before its lifespan starts), or `await queue.close()` first")
+    if dsn is not None and not isinstance(dsn, str):
+        raise ConfigurationError(f"dsn={dsn!r}: pass a PostgreSQL DSN string, or None")
+    server = dsn or os.environ.get(TEST_DSN_ENV) or queue.dsn
+    schema = f"asyncjobq_test_{uuid.uuid4().hex[:16]}"
+    try:
+        bound = psycopg.conninfo.make_conninfo(server,
+                                               options=_search_path_first(server, schema))
+    except psycopg.ProgrammingError as e:
+        raise ConfigurationError(
+            f"the test DSN is malformed ({str(e).strip()}): use a URI like "
+            "postgresql://user@host:5432/dbname, via dsn= or $ASYNCJOBQ_TEST_DSN") from None
+    with queue.bound_to(bound, schema):
+        failed = False
+        try:
+            async with queue:
+                await queue.install()
+                yield queue
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            try:
+                # Not through the queue's pool, which is closed by now.
+                await _drop_schema(server, schema)
+            except psycopg.Error as e:
+                if not failed:
+                    raise
+                # The test's own error is the one to see; the schema is only litter.
+                log.warning("could not drop test schema %s: %s", schema, e)
+
+
+def _search_path_first(dsn: str, schema: str) -> str:
+    options = psycopg.conninfo.conninfo_to_dict(dsn).get("options") or ""
+    return f"{options} -c search_path={schema},public".strip()
+
+
+async def _drop_schema(dsn: str, schema: str) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        # A worker the test left running may hold locks on its tables: wait a little, not
+        # forever (the test reports its own failure; a leftover schema is only litter).
+        await conn.execute("SET lock_timeout = '5s'")
+        await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+            sql.Identifier(schema)))
+
+
+# --- enqueued, assert_enqueued, refute_enqueued --------------------------------------------
+
+_INFO = ("id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "
+         "created_at, finished_at, payload")
+
+
+async def enqueued(q: Queue, task: str | Task | None = None, *, queue: str | None = None,
+                   conn: psycopg.AsyncConnection[Any] | None = None) -> list[JobInfo]:
+    """The queued jobs (due or not), oldest first, of `task` and `queue` when given. With
+    `conn=`, as that connection sees them: its own uncommitted enqueues included."""
+    _check_queue(q, "enqueued")
+    name = _task_name(task, required=False)
+    _check_optional_str("queue", queue)
+    _check_conn(conn)
+    query = sql.SQL(
+        "SELECT " + _INFO + " FROM {s}.jobs WHERE status = 'queued'"
+        " AND (%(task)s::text IS NULL OR task = %(task)s)"
+        " AND (%(queue)s::text IS NULL OR queue = %(queue)s) ORDER BY id"
+    ).format(s=sql.Identifier(q.schema))
+    params = {"task": name, "queue": queue}
+    with q.translate_errors():
+        if conn is not None:
+            cur = await conn.execute(query, params)
+            rows = await cur.fetchall()
+        else:
+            async with q.connection() as c:
+                cur = await c.execute(query, params)
+                rows = await cur.fetchall()
+    return [JobInfo(*row) for row in rows]
+
+
+async def assert_enqueued(q: Queue, task: str | Task, payload: Mapping[str, Any] | None = None,
+                          queue: str | None = None,
+                          conn: psycopg.AsyncConnection[Any] | None = None) -> JobInfo:
+    """Fail (AssertionError) unless a queued job of `task` exists whose payload has every key
+    of `payload` with an equal value (and in `queue`, when given); returns the oldest such
+    job. With `conn=`, the caller's uncommitted transaction counts."""
+    _check_queue(q, "assert_enqueued")
+    name = _task_name(task, required=True)
+    wanted = _check_payload(payload)
+    _check_optional_str("queue", queue)
+    found = await enqueued(q, queue=None, conn=conn)
+    matching = [j for j in found if _matches(j, name, wanted, queue)]
+    if matching:
+        return matching[0]
+    raise AssertionError(
+        f"expected {_describe(name, wanted, queue)} to be enqueued{_where(conn)}, but "
+        f"{_listing(found)}{_unknown(q, name)}")
+
+
+async def refute_enqueued(q: Queue, task: str | Task, payload: Mapping[str, Any] | None = None,
+                          queue: str | None = None,
+                          conn: psycopg.AsyncConnection[Any] | None = None) -> None:
+    """Fail (AssertionError) if a queued job matches, as `assert_enqueued` matches them."""
+    _check_queue(q, "refute_enqueued")
+    name = _task_name(task, required=True)
+    wanted = _check_payload(payload)
+    _check_optional_str("queue", queue)
+    found = await enqueued(q, queue=None, conn=conn)
+    matching = [j for j in found if _matches(j, name, wanted, queue)]
+    if matching:
+        raise AssertionError(
+            f"expected {_describe(name, wanted, queue, 'no')} to be enqueued{_where(conn)}, but "
+            f"found {len(matching)}:\n{_lines(matching)}")
+
+
+def _matches(job: JobInfo, task: str | None, payload: Mapping[str, Any], queue: str | None,
+             ) -> bool:
+    if task is not None and job.task != task:
+        return False
+    if queue is not None and job.queue != queue:
+        return False
+    return all(k in job.payload and job.payload[k] == v for k, v in payload.items())
+
+
+def _describe(task: str | None, payload: Mapping[str, Any], queue: str | None,
+              article: str = "a") -> str:
+    text = f"{article} job of task {task!r}"
+    if queue is not None:
+        text += f" in queue {queue!r}"
+    if payload:
+        text += f" with payload containing {dict(payload)!r}"
+    return text
+
+
+def _where(conn: object) -> str:
+    return " (as seen by the given connection)" if conn is not None else ""
+
+
+def _lines(jobs: Sequence[JobInfo]) -> str:
+    return "\n".join(f"  #{j.id} task={j.task!r} queue={j.queue!r} payload={j.payload!r}"
+                     + (f" run_at={j.run_at.isoformat()}" if j.run_at > datetime.now(UTC)
+                        else "")
+                     for j in jobs)
+
+
+def _listing(jobs: Sequence[JobInfo]) -> str:
+    if not jobs:
+        return "no job is enqueued"
+    return f"the {len(jobs)} enqueued job(s) are:\n{_lines(jobs)}"
+
+
+def _unknown(q: Queue, name: str | None) -> str:
+    if name is None or name in q.tasks:
+        return ""
+    known = ", ".join(sorted(q.tasks)) or "none"
+    return (f"\n(note: no task {name!r} is registered on this queue; registered: {known}; "
+            "pass the Task object to avoid a misspelt name)")
+
+
+# --- perform -------------------------------------------------------------------------------
+
+async def perform(q: Queue, task: str | Task, payload: Mapping[str, Any] | None = None, *,
+                  attempt: int = 1) -> Any:
+    """Run one handler now, as a worker would run attempt `attempt` of a job (its timeout,
+    Retry and Fail, the queue's middleware and its on_started/on_finished hooks), without the
+    database queue. Returns the handler's value (what the middleware passed back) when it
+    completed, else an `Outcome` saying how it ended."""
+    if not isinstance(q, Queue):
+        raise ConfigurationError(
+            f"perform() takes the app's asyncjobq.Queue first, got "
+            f"{a_or_an(type(q).__name__)}")
+    name = _task_name(task, required=True)
+    assert name is not None
+    t = q.tasks.get(name)
+    if t is None:
+        known = ", ".join(sorted(q.tasks)) or "none"
+        raise ConfigurationError(
+            f"perform(): task {name!r} is not registered on this queue (registered: {known}): "
+            "pass the Task object, or register the handler with @queue.task()")
+    body = dict(_check_payload(payload))
+    try:
+        # A payload a worker could never receive fails here, as enqueue would refuse it.
+        json.dumps(body, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidPayloadError(
+            f"payload is not JSON-serialisable ({e}): a job's payload is stored as JSON; pass "
+            "only dicts, lists, str, int, finite float, bool and None") from None
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise ConfigurationError(f"attempt={attempt!r}: use 1 (the first) or more")
+    now = datetime.now(UTC)
+    job = Job(id=0, task=t.name, queue=t.queue, payload=body, attempt=attempt,
+              max_attempts=max(t.max_attempts, attempt), priority=t.priority, run_at=now,
+              created_at=now, worker="asyncjobq.testing")
+    returned: list[object] = []
+
+    async def capture(job: Job, call_next: CallNext) -> object:
+        value = await call_next(job)
+        returned.append(value)
+        return value
+
+    # Outermost, so that it sees what the app's middleware passed back.
+    hooks = copy.copy(q.hooks)
+    hooks.middleware = (capture, *q.hooks.middleware)
+    hooks.active = True
+    outcome = await _attempt(q, hooks, job, t, "asyncjobq-testing-perform")
+    assert outcome is not None
+    if outcome.kind == "done":
+        return returned[0] if returned else None
+    kind: Kind = "snoozed" if outcome.kind == "snooze" else outcome.kind
+    return Outcome(kind, outcome.error, outcome.delay)
+
+
+async def _attempt(q: Queue, hooks: Any, job: Job, task: Task | None, thread_name: str,
+                   ) -> _Outcome | None:
+    runner = ThreadRunner(thread_name)
+    running = RunningJob(job, time.monotonic())
+    outcome: _Outcome | None = None
+    try:
+        outcome = await execute(running, task, q.tasks, runner, hooks if hooks.active else None)
+    finally:
+        runner.close()
+        if hooks.on_finished:
+            # Awaited, not spawned as a worker does: the test reads what the hooks saw next.
+            await hooks.emit("on_finished", job=job, outcome=finished(outcome, running),
+                             duration=time.monotonic() - running.started)
+    return outcome
+
+
+# --- drain ---------------------------------------------------------------------------------
+
+async def drain(q: Queue, queues: str | Sequence[str] | None = None,
+                max_jobs: int | None = None, *,
+                until: datetime | timedelta | None = None) -> dict[str, int]:
+    """Run every due job (of `queues`, default all) in this process, one at a time in claim
+    order (priority, run_at, id), until none is due; jobs that fail or Retry run again as soon
+    as they are due. Returns how the attempts ended: {"done", "retry", "failed", "snoozed"}.
+
+    A job is due when its run_at has come, by the server's clock; `until=` (a datetime, or a
+    timedelta from now) makes jobs due up to then, so delayed jobs and retries after their
+    backoff run too. `max_jobs` stops after that many attempts.
+    """
+    _check_queue(q, "drain")
+    names = _check_queues(queues)
+    if max_jobs is not None and (isinstance(max_jobs, bool) or not isinstance(max_jobs, int)
+                                 or max_jobs < 1):
+        raise ConfigurationError(f"max_jobs={max_jobs!r}: use a number of attempts >= 1, or "
+                                 "None for no limit")
+    horizon = _horizon(until)
+    worker = f"asyncjobq-testing-drain-{uuid.uuid4().hex[:8]}"
+    claim = sql.SQL(
+        "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s, locked_at = now(),"
+        " attempts = attempts + 1"
+        " WHERE id = (SELECT id FROM {s}.jobs WHERE status = 'queued'"
+        "   AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))"
+        "   AND run_at <= coalesce(%(until)s::timestamptz, now())"
+        "   ORDER BY priority DESC, run_at, id LIMIT 1 FOR NO KEY UPDATE SKIP LOCKED)"
+        " RETURNING id, task, queue, payload, priority, attempts, max_attempts, run_at,"
+        " created_at").format(s=sql.Identifier(q.schema))
+    params = {"worker": worker, "queues": names, "until": horizon}
+    counts = {"done": 0, "retry": 0, "failed": 0, "snoozed": 0}
+    runs: dict[int, int] = {}
+    ran = 0
+    while max_jobs is None or ran < max_jobs:
+        with q.translate_errors():
+            async with q.connection() as conn:
+                cur = await conn.execute(claim, params)
+                row = await cur.fetchone()
+        if row is None:
+            break
+        job = Job(id=row[0], task=row[1], queue=row[2], payload=row[3], priority=row[4],
+                  attempt=row[5], max_attempts=row[6], run_at=row[7], created_at=row[8],
+                  worker=worker)
+        runs[job.id] = runs.get(job.id, 0) + 1
+        if runs[job.id] > RUNS_PER_JOB_LIMIT:
+            await _write(q, worker, _Outcome(job.id, job.attempt, "snooze", 0.0, task=job.task))
+            raise AsyncJobQError(
+                f"drain: job {job.id} ({job.task}) ran {RUNS_PER_JOB_LIMIT} times in this drain "
+                "and is due again at once (a handler raising Retry(delay=0) every time?): give "
+                "the Retry a delay, or pass max_jobs= to bound the drain")
+        if q.hooks.on_claimed:
+            await q.hooks.emit("on_claimed", jobs=[job])
+        outcome = await _attempt(q, q.hooks, job, q.tasks.get(job.task), worker)
+        assert outcome is not None  # a drain never loses its lease: nothing reaps it
+        await _write(q, worker, outcome)
+        counts["snoozed" if outcome.kind == "snooze" else outcome.kind] += 1
+        ran += 1
+    return counts
+
+
+async def _write(q: Queue, worker: str, o: _Outcome) -> None:
+    params = {"outcomes": json.dumps([[o.job_id, o.attempt, o.kind, o.delay,
+                                       _storable(o.error)]]),
+              "worker": worker}
+    async with q.connection() as conn:
+        await conn.execute(q.sql.job_set_outcome_if_running_many, params)
+
+
+def _storable(error: str | None) -> str | None:
+    # A NUL or lone surrogate in an exception's text cannot be stored in a text column.
+    if error is None:
+        return None
+    return error.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
+def _horizon(until: object) -> datetime | None:
+    if until is None:
+        return None
+    if isinstance(until, timedelta):
+        return datetime.now(UTC) + until
+    if isinstance(until, datetime):
+        if until.tzinfo is None or until.utcoffset() is None:
+            raise ConfigurationError(
+                f"until={until!r} has no timezone: use e.g. datetime.now(timezone.utc) + "
+                "timedelta(hours=1), or pass a timedelta")
+        return until
+    raise ConfigurationError(
+        f"until={until!r}: pass a datetime with a timezone, or a timedelta from now (e.g. "
+        "until=timedelta(hours=1) runs jobs due within the hour)")
+
+
+# --- argument checks -----------------------------------------------------------------------
+
+def _check_queue(q: object, what: str) -> None:
+    if not isinstance(q, Queue):
+        raise ConfigurationError(
+            f"{what}() takes the asyncjobq.Queue first, got {a_or_an(type(q).__name__)}: pass "
+            "the queue `isolated()` yielded")
+
+
+def _task_name(task: object, *, required: bool) -> str | None:
+    if task is None and not required:
+        return None
+    if isinstance(task, Task):
+        return task.name
+    if isinstance(task, str) and task:
+        return task
+    raise ConfigurationError(
+        f"task={task!r}: pass the Task object (what @queue.task() returned) or its name")
+
+
+def _check_payload(payload: object) -> Mapping[str, Any]:
+    if payload is None:
+        return {}
+    if not isinstance(payload, Mapping):
+        raise ConfigurationError(
+            f"payload={payload!r}: pass a dict of the keys the job's payload must have (e.g. "
+            "{'user_id': 7}), or None")
+    return payload
+
+
+def _check_optional_str(what: str, value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ConfigurationError(f"{what}={value!r}: pass a {what} name (a string), or None")
+
+
+def _check_queues(queues: object) -> list[str] | None:
+    if queues is None:
+        return None
+    if isinstance(queues, str):
+        return [queues]
+    if isinstance(queues, Sequence) and queues and all(isinstance(n, str) for n in queues):
+        return list(queues)
+    raise ConfigurationError(
+        f"queues={queues!r}: pass a queue name, a list of names, or None for every queue")
+
+
+def _check_conn(conn: object) -> None:
+    if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
+        raise ConfigurationError(
+            f"conn= takes a psycopg.AsyncConnection, got {a_or_an(type(conn).__name__)}: pass "
+            "the connection whose transaction enqueued the job, or None")
+
