@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import urllib.request
@@ -16,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from opentelemetry.util._once import Once
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncjobq import Fail, Job, Queue, Worker
@@ -181,15 +183,20 @@ async def test_worker_metrics_port_in_use_raises_an_error_naming_the_fix(queue: 
 
 @pytest.fixture
 def exporter() -> Iterator[InMemorySpanExporter]:
-    # The API lets a process set its provider once: the first test sets it, others reuse it.
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
     memory = InMemorySpanExporter()
+    provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(memory))
-    yield memory
-    memory.shutdown()
+    trace.set_tracer_provider(provider)
+    try:
+        yield memory
+    finally:
+        provider.shutdown()
+        # The API sets a process's provider once and for all; the other tests of this process
+        # run without tracing, so put back the unset state (as opentelemetry-test-utils'
+        # reset_trace_globals does).
+        trace._TRACER_PROVIDER_SET_ONCE = Once()  # type: ignore[attr-defined]
+        trace._TRACER_PROVIDER = None  # type: ignore[attr-defined]
+        assert not jobq_tracing.enabled()
 
 
 def read_spans(path: Path) -> list[dict[str, object]]:
@@ -282,3 +289,27 @@ async def test_no_trace_context_without_a_provider_or_from_sql(queue: Queue) -> 
     async with running(Worker(queue, poll_interval=0.1)):
         await wait_for(lambda: len(ran) == 1, 20, what="the SQL job ran")
     assert ran[0].trace_context is None
+
+
+def test_the_examples_dashboard_and_alerts_use_metrics_that_exist(queue: Queue) -> None:
+    from asyncjobq import metrics
+
+    c = metrics.collector(queue)
+    # Every series a scrape can show, histograms' _bucket/_count/_sum and counters' _total.
+    c.finished.labels("q", "t", "done").inc()
+    c.duration.labels("q", "t").observe(1)
+    c.pickup.labels("q").observe(1)
+    c.claimed.labels("q").inc()
+    c.running.labels("q").set(0)
+    c.depth.labels("q", "queued").set(0)
+    c.flush.observe(0.1)
+    exported = {s.name for family in c.collect() for s in family.samples}
+    folder = Path(__file__).parent.parent / "examples" / "observability"
+    for name in ("grafana-dashboard.json", "alerts.yml"):
+        used = set(re.findall(r"asyncjobq_[a-z_]+", (folder / name).read_text()))
+        assert used, name
+        assert used <= exported, (name, used - exported)
+    dashboard = json.loads((folder / "grafana-dashboard.json").read_text())
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for needed in ("throughput by outcome", "pickup latency", "queue depth", "failures"):
+        assert needed in titles
