@@ -8,6 +8,7 @@ executed twice is a double claim.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .common import (
@@ -23,11 +24,12 @@ from .common import (
 
 
 def drain(server: Server, schema: str, jobs: int, procs: int, *, concurrency: int = 0,
-          batch: int = 0, sleep: float = 0.0, record: str = "ids") -> dict[str, Any]:
+          batch: int = 0, sleep: float = 0.0, record: str = "ids",
+          extra: Sequence[str] = ()) -> dict[str, Any]:
     prepare_jobs(server, schema, jobs)
     checkpoint(server)
     w = Workers(server, schema, procs, concurrency=concurrency, batch=batch, sleep=sleep,
-                record=record)
+                record=record, extra=extra)
     try:
         w.wait_ready()
         t0 = w.go()

@@ -49,6 +49,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["concurrency"] = args.concurrency
     if args.batch:
         kwargs["batch_size"] = args.batch
+    if args.metrics_port is not None:
+        kwargs["metrics_port"] = args.metrics_port
     worker = Worker(queue, poll_interval=args.poll_interval, listen=not args.listen_off,
                     **kwargs)
     await queue.open()
@@ -89,6 +91,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-listen", dest="listen_off", action="store_true")
     p.add_argument("--record", choices=["ids", "latency", "none"], default="ids")
     p.add_argument("--out", required=True)
+    # The metrics A/B (benchmarks/metrics_ab.py): 0 serves /metrics on a free port.
+    p.add_argument("--metrics-port", type=int, default=None)
     return p.parse_args()
 
 

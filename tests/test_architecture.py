@@ -17,6 +17,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("database access", ("asyncjobq._db",)),
     ("worker machinery", ("asyncjobq._worker",)),
     ("maintenance services", ("asyncjobq._maintenance",)),
+    # Prometheus and OpenTelemetry: they watch jobs through the hooks and middleware and are
+    # handed a Queue (never importing it), so that Queue and Worker can use them.
+    ("integrations", ("asyncjobq.metrics", "asyncjobq.tracing")),
     ("public API", ("asyncjobq.queue", "asyncjobq.worker", "asyncjobq")),
     ("tools", ("asyncjobq.cli", "asyncjobq.doctor", "asyncjobq.demo", "asyncjobq.runtime",
                "asyncjobq.__main__", "asyncjobq.testing", "asyncjobq.pytest_plugin")),

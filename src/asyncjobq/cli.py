@@ -24,7 +24,14 @@ import psycopg
 from . import runtime
 from ._db import migrations
 from ._db.dsn import check_dsn, validate_schema
-from .errors import AppImportError, AsyncJobQError, ConfigurationError, a_or_an, reason
+from .errors import (
+    AppImportError,
+    AsyncJobQError,
+    ConfigurationError,
+    MetricsPortInUseError,
+    a_or_an,
+    reason,
+)
 from .queue import Queue
 from .worker import Worker
 
@@ -210,10 +217,13 @@ def load_checked_app(app: str) -> Queue:
               default="info", show_default=True)
 @click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
               help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
+@click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
+              metavar="PORT", help="Serve Prometheus metrics at :PORT/metrics "
+              "(needs asyncjobq[prometheus]).")
 @_guard
 def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | None, lease: float,
            poll_interval: float, shutdown_timeout: float, name: str | None, no_listen: bool,
-           log_level: str, dsn: str | None) -> None:
+           log_level: str, dsn: str | None, metrics_port: int | None) -> None:
     """Run a worker for APP (module:attribute naming a Queue) until SIGTERM/SIGINT."""
     _setup_logging(log_level)
     queue = load_checked_app(app)
@@ -224,8 +234,11 @@ def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | Non
         queue.application_name = "asyncjobq-worker"
     w = Worker(queue, queues=queues or ("default",), concurrency=concurrency, batch_size=batch,
                lease=lease, poll_interval=poll_interval, shutdown_timeout=shutdown_timeout,
-               name=name, listen=not no_listen)
-    runtime.run(_run_worker, w)
+               name=name, listen=not no_listen, metrics_port=metrics_port)
+    try:
+        runtime.run(_run_worker, w)
+    except MetricsPortInUseError as e:
+        _fail(str(e), 2)  # a usage mistake: the command line names a port that is taken
 
 
 async def _run_worker(w: Worker) -> None:

@@ -77,3 +77,11 @@ def reason(e: BaseException) -> str:
 def a_or_an(noun: str) -> str:
     """'an int', 'a list': type names in messages read as English."""
     return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
+
+
+class MetricsPortInUseError(ConfigurationError):
+    """The worker's metrics port is taken by another process."""
+
+
+class ExtraNotInstalledError(ConfigurationError):
+    """An optional feature's package (an extra of asyncjobq) is not installed."""

@@ -37,6 +37,9 @@ class Job:
     run_at: datetime
     created_at: datetime
     worker: str = field(default="", compare=False)
+    # The W3C trace context (traceparent, tracestate) of the enqueue that wrote the job, as
+    # asyncjobq.tracing stored it; None when the producer did not trace.
+    trace_context: dict[str, str] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import psycopg
 import psycopg.errors
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+from . import tracing
 from ._db import migrations
 from ._db.database import NOT_OPEN, Conn, Database, storable
 from ._db.dsn import check_dsn, validate_schema
@@ -447,22 +448,38 @@ class Queue:
                                       or not _storable(dedup_key)):
             raise ConfigurationError(f"dedup_key={dedup_key!r}: use a non-empty string without "
                                      "NUL or unpaired surrogates, or None")
+        send = tracing.producer(name, q)
+        if send is None:
+            return await self._enqueue(name, body, q, prio, when, secs, attempts, dedup_key,
+                                       conn, None)
+        with send:
+            job_id = await self._enqueue(name, body, q, prio, when, secs, attempts, dedup_key,
+                                         conn, send.context)
+            send.written([job_id])
+            return job_id
+
+    async def _enqueue(self, name: str, body: str, q: str, prio: int, when: datetime | None,
+                       secs: float, attempts: int, dedup_key: str | None, conn: Conn | None,
+                       trace: str | None) -> int:
         if conn is None and dedup_key is None:
             job = (f"[{json.dumps(name)},{body},{json.dumps(q)},{prio:d},"
                    f"{json.dumps(when.astimezone(UTC).isoformat() if when else None)},"
                    f"{json.dumps(secs)},"
-                   f"{attempts:d}]")
+                   f"{attempts:d}"
+                   f"{',' + trace if trace is not None else ''}]")
             job_id = await self._open_inserter().insert(job)
             if self.hooks.on_enqueued:
                 self.hooks.spawn("on_enqueued", job_ids=[job_id], task=name, queue=q)
             return job_id
         params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
-                  "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key}
+                  "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key,
+                  "trace": trace}
+        insert = self.sql.job_insert if trace is None else self.sql.job_insert_traced
         advice = _RESEND_DEDUP if dedup_key is not None else _USE_DEDUP
         for _ in range(10):
             # With a dedup_key, sending the INSERT again after a lost reply is safe: it
             # returns the job the first one wrote, if it did.
-            rows = await write(self._db, conn, self.sql.job_insert, params, what="the job",
+            rows = await write(self._db, conn, insert, params, what="the job",
                                resend=dedup_key is not None, advice=advice)
             if rows:
                 job_id = int(rows[0][0])
@@ -480,7 +497,12 @@ class Queue:
 
     async def _write_rows(self, rows: list[str]) -> list[int]:
         # Each caller of the batch enqueued one job: the error speaks to each of them.
-        result = await write(self._db, None, self.sql.job_insert_rows,
+        # A traced row ends with its trace context's object (`}]`), an untraced one with
+        # max_attempts (a digit): only a batch with a traced row writes the column.
+        traced = any(r[-2] == "}" for r in rows)
+        result = await write(self._db, None,
+                             self.sql.job_insert_rows_traced if traced
+                             else self.sql.job_insert_rows,
                              ("[" + ",".join(rows) + "]",), what="the job", resend=False,
                              advice=_USE_DEDUP)
         return [int(r[0]) for r in result]
@@ -510,14 +532,31 @@ class Queue:
             return []
         when, secs = _schedule(run_at, delay)
         n = len(payloads)
-        rows = await write(self._db, conn, self.sql.job_insert_many,
-                           (name, q, prio, when, secs, attempts, array),
-                           what="the job" if n == 1 else f"the {n} jobs (all or none of them)",
-                           resend=False, advice=_MANY_UNSURE)
-        ids = [int(r[0]) for r in rows]
+        send = tracing.producer(name, q, n)
+        if send is None:
+            ids = await self._enqueue_many(name, q, prio, when, secs, attempts, array, n, conn,
+                                           None)
+        else:
+            with send:
+                ids = await self._enqueue_many(name, q, prio, when, secs, attempts, array, n,
+                                               conn, send.context)
         if self.hooks.on_enqueued:
             self.hooks.spawn("on_enqueued", job_ids=ids, task=name, queue=q)
         return ids
+
+    async def _enqueue_many(self, name: str, q: str, prio: int, when: datetime | None,
+                            secs: float, attempts: int, array: str, n: int,
+                            conn: Conn | None, trace: str | None) -> list[int]:
+        # One trace context for the batch: every job's attempts are children of its span.
+        statement, params = (
+            (self.sql.job_insert_many, (name, q, prio, when, secs, attempts, array))
+            if trace is None else
+            (self.sql.job_insert_many_traced,
+             (name, q, prio, when, secs, attempts, trace, array)))
+        rows = await write(self._db, conn, statement, params,
+                           what="the job" if n == 1 else f"the {n} jobs (all or none of them)",
+                           resend=False, advice=_MANY_UNSURE)
+        return [int(r[0]) for r in rows]
 
     def _defaults(
         self, task: str | Task, queue: str | None, priority: int | None, max_attempts: int | None

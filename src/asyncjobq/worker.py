@@ -22,10 +22,12 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from . import metrics, tracing
 from ._db import migrations
 from ._maintenance.leader import Elector
 from ._maintenance.pruner import Pruner
 from ._maintenance.reaper import Reaper
+from ._maintenance.sampler import DepthSampler
 from ._maintenance.scheduler import Scheduler
 from ._maintenance.services import Service, ServiceRunner
 from ._maintenance.vacuum import HotTableVacuum
@@ -82,6 +84,11 @@ class Worker:
         prune_interval: seconds between the leader's history pruning turns.
         vacuum_interval: seconds between the leader's checks of the hot table's dead rows;
             None leaves the table to autovacuum.
+        metrics_port: serve Prometheus metrics (asyncjobq.metrics) at
+            http://<host>:<port>/metrics; needs the `prometheus` extra. 0 picks a free port
+            (see `metrics_server.port`).
+        metrics_interval: seconds between the leader's samples of the queue depth
+            (asyncjobq_queue_jobs), when metrics are collected.
     """
 
     def __init__(
@@ -100,6 +107,8 @@ class Worker:
         reap_interval: float | None = None,
         prune_interval: float = 60.0,
         vacuum_interval: float | None = 1.0,
+        metrics_port: int | None = None,
+        metrics_interval: float = 5.0,
     ) -> None:
         if not isinstance(queue, Queue):
             raise ConfigurationError(
@@ -137,6 +146,17 @@ class Worker:
             _positive("vacuum_interval", vacuum_interval, integer=False)
         # None leaves the hot table to autovacuum alone.
         self.vacuum_interval = vacuum_interval
+        if metrics_port is not None and (isinstance(metrics_port, bool)
+                                         or not isinstance(metrics_port, int)
+                                         or not 0 <= metrics_port <= 65535):
+            raise ConfigurationError(f"metrics_port={metrics_port!r}: use a TCP port number "
+                                     "from 1 to 65535 (0 picks a free one), or None")
+        _positive("metrics_interval", metrics_interval, integer=False)
+        self.metrics_port = metrics_port
+        self.metrics_interval = float(metrics_interval)
+        # Made now: a missing prometheus extra is a mistake to report before run().
+        self.metrics = metrics.collector(queue) if metrics_port is not None else None
+        self.metrics_server: metrics.MetricsServer | None = None
         if name is not None:
             _check_name("worker name", name, "web-1")
         # locked_by: unique per run, so a restarted worker of the same name is fenced off from
@@ -195,6 +215,13 @@ class Worker:
         async with self.queue.connection() as conn:
             await migrations.check(conn, self.queue.schema)
         db = self.queue.database
+        # An app that registered asyncjobq.metrics.collector(queue) itself gets the worker's
+        # part of the metrics (flushes, depth, leader) without a port of ours.
+        collected = self.metrics or metrics.attached(self.queue)
+        traced = tracing.instrument_worker(self.queue.hooks.middleware)
+        if traced is not None:
+            self.queue.hooks.middleware = traced
+            self.queue.hooks.active = True
         fetcher = self.fetcher = Fetcher(
             db, self.id, self.queues, batch_size=self.batch_size,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
@@ -202,7 +229,8 @@ class Worker:
             claimed=self._claimed)
         completer = self.completer = Completer(
             db, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
-            on_written=self._written, fetcher=fetcher)
+            on_written=self._written, fetcher=fetcher,
+            on_flushed=collected.observe_flush if collected is not None else None)
         heartbeat = self.heartbeat = Heartbeat(
             db, self.id, lease=self.lease, held=self._held,
             running_tasks=lambda: [r.job.task for r in tuple(self._running.values())],
@@ -223,6 +251,10 @@ class Worker:
             # enqueued late; a longer gap means no worker ran (scheduler.py).
             self.scheduler = Scheduler(db, schedules, grace=2 * self.lease)
             maintenance.append(self.scheduler)
+        if collected is not None:
+            maintenance.append(DepthSampler(self.queue.stats, collected.set_depth,
+                                            interval=self.metrics_interval))
+            collected.add_worker(self.id, lambda: elector.is_leader)
         self.services = ServiceRunner(maintenance, is_leader=lambda: elector.is_leader)
         if self._stop_requested:
             fetcher.stop()
@@ -230,12 +262,20 @@ class Worker:
         log.info("worker %s started: queues=%s concurrency=%d batch=%d lease=%.1fs loop=%s.%s",
                  self.id, ",".join(self.queues), self.concurrency, self.batch_size, self.lease,
                  loop.__module__, loop.__qualname__)
+        if self.metrics is not None and self.metrics_port is not None:
+            self.metrics_server = metrics.serve(self.metrics, self.metrics_port)
+            log.info("metrics at http://0.0.0.0:%d/metrics", self.metrics_server.port)
         heartbeat.start()
         try:
             await self._serve(fetcher, completer, heartbeat, self.services)
         finally:
             heartbeat.stop()
             self._threads.close()
+            if collected is not None:
+                collected.remove_worker(self.id)
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+                self.metrics_server = None
         log.info("worker %s stopped: %d job(s) completed, %d outcome(s) refused", self.id,
                  self.completed, completer.refused)
 
@@ -304,6 +344,9 @@ class Worker:
                         "it expires", reason(e))
 
     def _leader_changed(self, worker_id: str | None) -> None:
+        collected = self.metrics or metrics.attached(self.queue)
+        if collected is not None and worker_id != self.id:
+            collected.clear_depth()
         if self.queue.hooks.on_leader_changed:
             self.queue.hooks.spawn("on_leader_changed", worker_id=worker_id)
 

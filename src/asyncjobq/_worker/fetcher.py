@@ -141,7 +141,8 @@ class Fetcher:
     def _jobs(self, rows: Sequence[Sequence[Any]]) -> list[Job]:
         jobs = [
             Job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4], attempt=r[5],
-                max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id)
+                max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id,
+                trace_context=r[9])
             for r in rows
         ]
         # RETURNING order is the update's, not the claim's: hand jobs out in claim order.

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from psycopg import sql
 
 # Columns returned to the worker by a claim, in this order (see fetcher.ClaimedJob).
-CLAIM_COLUMNS = "id, task, queue, payload, priority, attempts, max_attempts, run_at, created_at"
+# trace_context last: NULL unless the producer traced (asyncjobq.tracing).
+CLAIM_COLUMNS = (
+    "id, task, queue, payload, priority, attempts, max_attempts, run_at, created_at, "
+    "trace_context"
+)
 # Columns of JobInfo, in this order.
 INFO_COLUMNS = (
     "id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "

@@ -11,19 +11,31 @@ from .common import Role, _q
 
 class EnqueueStatements(Role):
 
+    # Each insert has a `_traced` twin that also writes trace_context (asyncjobq.tracing): the
+    # untraced statements, which producers without tracing run, stay as they were (and run on
+    # a schema not yet upgraded to version 5).
+
     @property
     def job_insert(self) -> sql.Composed:
+        return self._job_insert(traced=False)
+
+    @property
+    def job_insert_traced(self) -> sql.Composed:
+        return self._job_insert(traced=True)
+
+    def _job_insert(self, *, traced: bool) -> sql.Composed:
         # A live duplicate dedup_key returns the existing job's id (and false: not a new job,
-        # for on_enqueued). DO NOTHING (not a no-op
-        # DO UPDATE) keeps producers free of UPDATE privilege; when the duplicate was committed
-        # after this statement's snapshot, no id comes back and the caller runs it again.
+        # for on_enqueued). DO NOTHING (not a no-op DO UPDATE) keeps producers free of UPDATE
+        # privilege; when the duplicate was committed after this statement's snapshot, no id
+        # comes back and the caller runs it again.
         return _q(
             "WITH ins AS ("
             " INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts,"
-            "   dedup_key)"
+            "   dedup_key" + (", trace_context" if traced else "") + ")"
             " VALUES (%(task)s, %(payload)s, %(queue)s, %(priority)s,"
             "   coalesce(%(run_at)s, now()) + make_interval(secs => %(delay)s),"
-            "   %(max_attempts)s, %(dedup_key)s)"
+            "   %(max_attempts)s, %(dedup_key)s"
+            + (", %(trace)s::jsonb" if traced else "") + ")"
             " ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL"
             "   AND status IN ('queued', 'running') DO NOTHING"
             " RETURNING id)"
@@ -37,14 +49,23 @@ class EnqueueStatements(Role):
 
     @cached_property
     def job_insert_rows(self) -> sql.Composed:
+        return self._job_insert_rows(traced=False)
+
+    @cached_property
+    def job_insert_rows_traced(self) -> sql.Composed:
+        return self._job_insert_rows(traced=True)
+
+    def _job_insert_rows(self, *, traced: bool) -> sql.Composed:
         # Jobs of coalesced enqueue() calls (see inserter), each its own task, queue and
         # schedule: one JSON array of [task, payload, queue, priority, run_at, delay,
-        # max_attempts] rows; ids come back in row order.
+        # max_attempts(, trace context)] rows; ids come back in row order. An untraced row in
+        # a traced batch has no 8th element: r->7 is NULL.
         return _q(
-            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts)"
+            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts"
+            + (", trace_context" if traced else "") + ")"
             " SELECT r->>0, r->1, r->>2, (r->>3)::int,"
             "   coalesce((r->>4)::timestamptz, now()) + make_interval(secs => (r->>5)::float8),"
-            "   (r->>6)::int"
+            "   (r->>6)::int" + (", r->7" if traced else "") +
             " FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(r, n) ORDER BY n"
             " RETURNING id",
             self.schema,
@@ -52,11 +73,21 @@ class EnqueueStatements(Role):
 
     @property
     def job_insert_many(self) -> sql.Composed:
+        return self._job_insert_many(traced=False)
+
+    @property
+    def job_insert_many_traced(self) -> sql.Composed:
+        return self._job_insert_many(traced=True)
+
+    def _job_insert_many(self, *, traced: bool) -> sql.Composed:
         # One statement for any number of payloads, sent as one JSON array: parsing one
-        # document server-side costs far less than a jsonb[] of many (measured ~2x).
+        # document server-side costs far less than a jsonb[] of many (measured ~2x). The
+        # traced twin takes the batch's one trace context before the array.
         return _q(
-            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts)"
+            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts"
+            + (", trace_context" if traced else "") + ")"
             " SELECT %s, p, %s, %s, coalesce(%s, now()) + make_interval(secs => %s), %s"
+            + (", %s::jsonb" if traced else "") +
             " FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(p, n) ORDER BY n"
             " RETURNING id",
             self.schema,

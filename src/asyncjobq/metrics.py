@@ -1,0 +1,195 @@
+"""Prometheus metrics (DESIGN §10; extra `asyncjobq[prometheus]`).
+
+`Worker(metrics_port=9464)` (`worker --metrics-port 9464`) serves them at /metrics; an app that
+serves its own registry registers `collector(queue)` in it:
+
+    from prometheus_client import REGISTRY
+    REGISTRY.register(asyncjobq.metrics.collector(queue))
+
+The collector watches jobs through the queue's hooks (claimed, started, finished), so it sees
+what the workers of *this process* run on that queue. `asyncjobq_queue_jobs` comes from the
+database: the leader's sampler reads the counts by queue and status every `metrics_interval`
+seconds, so only the leader's process exports it (aggregate it with `max by (queue, status)`).
+Labels are bounded: queue, task and outcome names, never job ids or error texts.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from .errors import ExtraNotInstalledError, MetricsPortInUseError
+from .hooks import Finished, Hooks
+from .job import Job
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from .queue import Queue
+
+_INSTALL = ("Prometheus metrics need the prometheus extra: pip install 'asyncjobq[prometheus]' "
+            "(prometheus-client)")
+
+# Seconds: handlers from a millisecond to ten minutes; pickup from sub-millisecond (a warm
+# worker) to an hour of backlog; flushes are statements, a few ms when healthy.
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0, 300.0, 600.0)
+PICKUP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                  60.0, 300.0, 900.0, 3600.0)
+FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+_collectors: weakref.WeakKeyDictionary[Hooks, QueueCollector] = weakref.WeakKeyDictionary()
+
+
+class QueueCollector:
+    """The metrics of one Queue, a prometheus_client collector (it has `collect()`).
+
+    Its `on_*` methods are the queue's hooks; the worker feeds it the outcome flushes, the
+    sampled depth and whether it leads."""
+
+    def __init__(self) -> None:
+        try:
+            from prometheus_client import Counter, Gauge, Histogram
+        except ImportError:
+            raise ExtraNotInstalledError(_INSTALL) from None
+        # registry=None: these live in this collector, which any registry (ours or the
+        # app's) can hold.
+        self.finished = Counter(
+            "asyncjobq_jobs_finished", "Attempts finished, by outcome (a failed attempt with "
+            "retries left is 'retry').", ["queue", "task", "outcome"], registry=None)
+        self.duration = Histogram(
+            "asyncjobq_job_duration_seconds", "Handler time of each attempt.",
+            ["queue", "task"], buckets=DURATION_BUCKETS, registry=None)
+        self.pickup = Histogram(
+            "asyncjobq_job_pickup_seconds", "From the job's run_at to its handler's start.",
+            ["queue"], buckets=PICKUP_BUCKETS, registry=None)
+        self.claimed = Counter(
+            "asyncjobq_jobs_claimed", "Jobs claimed by this process's workers.", ["queue"],
+            registry=None)
+        self.running = Gauge(
+            "asyncjobq_running_jobs", "Handlers running in this process.", ["queue"],
+            registry=None)
+        self.depth = Gauge(
+            "asyncjobq_queue_jobs", "Jobs by queue and status, sampled from the database by "
+            "the leader.", ["queue", "status"], registry=None)
+        self.flush = Histogram(
+            "asyncjobq_outcome_flush_seconds", "Time of each outcome-writing statement.",
+            buckets=FLUSH_BUCKETS, registry=None)
+        self.leader = Gauge(
+            "asyncjobq_leader", "1 when a worker of this process leads its schema.",
+            registry=None)
+        self.leader.set_function(self._leads)
+        self._metrics = (self.finished, self.duration, self.pickup, self.claimed, self.running,
+                         self.depth, self.flush, self.leader)
+        # (id, attempt) of the jobs whose start was counted: a finish without a counted start
+        # (an unknown task, a job cancelled before it started) must not push the gauge below 0.
+        self._started: set[tuple[int, int]] = set()
+        self._leaders: dict[str, Callable[[], bool]] = {}
+        self._sampled: set[tuple[str, str]] = set()
+
+    # --- prometheus_client's collector interface ----------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        for m in self._metrics:
+            yield from m.collect()
+
+    def describe(self) -> Iterable[Metric]:
+        for m in self._metrics:
+            yield from m.describe()
+
+    # --- hooks (hooks.py) -----------------------------------------------------------------
+
+    async def on_claimed(self, jobs: list[Job]) -> None:
+        by_queue: dict[str, int] = {}
+        for job in jobs:
+            by_queue[job.queue] = by_queue.get(job.queue, 0) + 1
+        for q, n in by_queue.items():
+            self.claimed.labels(q).inc(n)
+
+    async def on_started(self, job: Job) -> None:
+        self._started.add((job.id, job.attempt))
+        self.running.labels(job.queue).inc()
+        # run_at is the server's clock: a worker's clock a little behind must not observe < 0.
+        self.pickup.labels(job.queue).observe(
+            max(0.0, (datetime.now(UTC) - job.run_at).total_seconds()))
+
+    async def on_finished(self, job: Job, outcome: Finished, duration: float) -> None:
+        key = (job.id, job.attempt)
+        if key in self._started:
+            self._started.discard(key)
+            self.running.labels(job.queue).dec()
+        self.finished.labels(job.queue, job.task, outcome).inc()
+        self.duration.labels(job.queue, job.task).observe(duration)
+
+    # --- fed by the worker ----------------------------------------------------------------
+
+    def observe_flush(self, seconds: float) -> None:
+        self.flush.observe(seconds)
+
+    def set_depth(self, counts: dict[str, dict[str, int]]) -> None:
+        seen = set()
+        for q, statuses in counts.items():
+            for status, n in statuses.items():
+                self.depth.labels(q, status).set(n)
+                seen.add((q, status))
+        # A queue gone from the database (its jobs pruned) stops being exported.
+        for q, status in self._sampled - seen:
+            self.depth.remove(q, status)
+        self._sampled = seen
+
+    def clear_depth(self) -> None:
+        """No longer the leader: another process samples now, stale values would mislead."""
+        self.depth.clear()
+        self._sampled = set()
+
+    def add_worker(self, worker_id: str, is_leader: Callable[[], bool]) -> None:
+        self._leaders[worker_id] = is_leader
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._leaders.pop(worker_id, None)
+
+    def _leads(self) -> float:
+        return 1.0 if any(f() for f in tuple(self._leaders.values())) else 0.0
+
+
+def collector(queue: Queue) -> QueueCollector:
+    """The metrics collector of `queue` (one per queue: calling again returns the same one),
+    registered as the queue's hook; register it in a prometheus_client registry to serve it."""
+    found = _collectors.get(queue.hooks)
+    if found is None:
+        found = _collectors[queue.hooks] = QueueCollector()
+        queue.add_hook(found)
+    return found
+
+
+def attached(queue: Queue) -> QueueCollector | None:
+    """The collector made for `queue` by collector(), if any."""
+    return _collectors.get(queue.hooks)
+
+
+class MetricsServer:
+    """/metrics of one collector over HTTP, served by prometheus_client from a thread."""
+
+    def __init__(self, collected: QueueCollector, port: int, addr: str = "0.0.0.0") -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(collected)
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+        except OSError as e:
+            raise MetricsPortInUseError(
+                f"metrics port {port} on {addr} is not available ({e.strerror or e}): stop "
+                "what holds it or pick another with --metrics-port / metrics_port=") from None
+        self.port = int(self._server.server_address[1])
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)
+
+
+def serve(collected: QueueCollector, port: int) -> MetricsServer:
+    return MetricsServer(collected, port)
