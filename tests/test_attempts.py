@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from conftest import execute, fetchval, running, spawn_worker, wait_for
 
-from asyncjobq import Job, Queue, Worker
+from asyncjobq import Fail, Job, Queue, Retry, Worker
 
 
 async def status_of(queue: Queue, job_id: int) -> str | None:
@@ -343,6 +343,8 @@ async def test_a_timed_out_sync_body_still_running_at_shutdown_fails_as_timed_ou
         started.set()
         time.sleep(1.5)
 
+    seen = _Outcomes()
+    queue.add_hook(seen)
     job_id = await overrun_at_stop.enqueue({})
     w = Worker(queue, concurrency=1, poll_interval=0.1, shutdown_timeout=0.3)
     async with running(w):
@@ -352,6 +354,77 @@ async def test_a_timed_out_sync_body_still_running_at_shutdown_fails_as_timed_ou
     info = await queue.get(job_id)
     assert info is not None and info.status == "failed", info
     assert info.last_error is not None and "timed out after 0.3 s" in info.last_error
+    await wait_for(lambda: bool(seen.outcomes), timeout=10, what="on_finished")
+    assert seen.outcomes == ["failed"], "a timed-out attempt was reported as cancelled"
+
+
+class _Outcomes:
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+
+    async def on_finished(self, **kw: Any) -> None:
+        self.outcomes.append(kw["outcome"])
+
+
+async def test_a_sync_body_that_returns_while_shutdown_waits_is_done_not_run_again(
+        queue: Queue) -> None:
+    """The shutdown cancels a sync body it cannot interrupt and waits for it; the body then
+    returns: the job is done. Released as interrupted, it would run a second time."""
+    started = threading.Event()
+    bodies: list[int] = []
+    seen = _Outcomes()
+    queue.add_hook(seen)
+
+    @queue.task(name="finishes_at_stop")
+    def finishes_at_stop(job: Job) -> None:
+        started.set()
+        time.sleep(1.0)
+        bodies.append(job.attempt)
+
+    job_id = await finishes_at_stop.enqueue({})
+    w = Worker(queue, concurrency=1, poll_interval=0.1, shutdown_timeout=0.2)
+    async with running(w):
+        await wait_for(started.is_set, timeout=10, what="the body running")
+    info = await queue.get(job_id)
+    assert bodies == [1]
+    assert info is not None and info.status == "done", info
+    await wait_for(lambda: bool(seen.outcomes), timeout=10, what="on_finished")
+    assert seen.outcomes == ["done"]
+
+
+@pytest.mark.parametrize("turns_into", ["Fail", "Retry", "error", "return"])
+async def test_a_handler_that_turns_a_lost_lease_into_an_outcome_writes_nothing(
+        queue: Queue, turns_into: str) -> None:
+    """Cancelled for a lost lease, a handler that answers with a Fail, a Retry, an error of its
+    own or a plain return must not have it written: another attempt may hold the row."""
+    cancelled = asyncio.Event()
+
+    @queue.task(name="stubborn_async", max_attempts=1)
+    async def stubborn_async(job: Job) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            if turns_into == "Fail":
+                raise Fail("gave up") from None
+            if turns_into == "Retry":
+                raise Retry(0) from None
+            if turns_into == "error":
+                raise RuntimeError("cleanup failed") from None
+
+    job_id = await stubborn_async.enqueue({})
+    w = Worker(queue, concurrency=1, lease=60.0, poll_interval=0.1)
+    async with running(w):
+        await wait_for(lambda: bool(w._running), timeout=10, what="the job running")
+        w._lease_lost(set(w._running))
+        await wait_for(cancelled.is_set, timeout=10, what="the handler cancelled")
+        await wait_for(lambda: not w._running, timeout=10, what="the handler ended")
+        await wait_for(lambda: w.completer is not None and not w.completer.pending(),
+                       timeout=10, what="nothing left to write")
+        row = await fetchval(queue, "SELECT status || ':' || attempts FROM {s}.jobs"
+                             " WHERE id = %s", job_id)
+        assert row == "running:1", "an outcome of a handler whose lease was lost was written"
+        await execute(queue, "DELETE FROM {s}.jobs WHERE id = %s", job_id)
 
 
 async def test_a_cut_off_job_is_left_to_the_reaper_not_released_uncounted(
@@ -383,3 +456,40 @@ async def test_a_cut_off_job_is_left_to_the_reaper_not_released_uncounted(
                              " WHERE id = %s", job_id)
         assert row == "running:1"
         gate.set()
+
+
+async def test_a_job_whose_claim_reply_is_always_lost_is_not_claimed_for_ever(
+        queue: Queue) -> None:
+    """Released uncounted after each lost reply, a row whose reply never arrives would be
+    claimed for ever: from the third lost reply in a row its attempt is counted, and with its
+    attempts spent it fails."""
+    ran: list[int] = []
+
+    @queue.task(name="unreachable", max_attempts=1)
+    async def unreachable(job: Job) -> None:
+        ran.append(job.id)
+
+    w = Worker(queue, concurrency=2, poll_interval=0.1)
+    claims = {"n": 0}
+    async with running(w):
+        fetcher = w.fetcher
+        assert fetcher is not None
+        real_claim = fetcher.claim
+
+        async def claim_reply_always_lost(limit: int) -> list[Job]:
+            jobs = await real_claim(limit)
+            if jobs:
+                claims["n"] += 1
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+            return jobs
+
+        fetcher.claim = claim_reply_always_lost  # type: ignore[method-assign]
+        fetcher.wakeup.set()
+        job_id = await unreachable.enqueue({})
+        await wait_for(lambda: _is(queue, job_id, "failed"), timeout=20, what="the job failed")
+        fetcher.claim = real_claim  # type: ignore[method-assign]
+    assert claims["n"] == 3 and ran == []
+    assert fetcher.released == 2
+    info = await queue.get(job_id)
+    assert info is not None and info.attempts == 1
+    assert info.last_error is not None and "lost with the connection 3 times" in info.last_error

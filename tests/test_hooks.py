@@ -6,10 +6,13 @@ import asyncio
 import logging
 from typing import Any
 
+import psycopg
 import pytest
 from conftest import execute, running, wait_for
 
 from asyncjobq import ConfigurationError, Fail, Job, Queue, Retry, Worker
+from asyncjobq._maintenance import reaper as reaper_module
+from asyncjobq._maintenance.reaper import Reaper
 
 
 class Recorder:
@@ -332,3 +335,26 @@ async def test_on_started_is_outside_the_handlers_timeout_and_after_on_claimed(
 async def _finished(queue: Queue, job_id: int) -> bool:
     info = await queue.get(job_id)
     return info is not None and info.status in ("done", "failed")
+
+
+async def test_on_reaped_hears_of_each_batch_even_when_a_later_one_fails(
+        queue: Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reaped in batches, each committed on its own: a later batch that fails must not keep
+    on_reaped from hearing of the jobs already requeued."""
+    monkeypatch.setattr(reaper_module, "REAP_BATCH", 2)
+    rec = Recorder()
+    queue.add_hook(rec)
+    ids = await queue.enqueue_many("t", [{} for _ in range(3)])
+    # The third (latest locked) job is reaped in the second batch, which a trigger refuses.
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1,"
+                  " locked_by = 'gone', locked_at = now() - interval '1 hour' + id * interval"
+                  " '1 s'")
+    await execute(queue, "CREATE FUNCTION {s}.refuse() RETURNS trigger LANGUAGE plpgsql AS"
+                  " $$BEGIN RAISE EXCEPTION 'refused'; END$$")
+    await execute(queue, "CREATE TRIGGER refuse BEFORE UPDATE ON {s}.jobs FOR EACH ROW"
+                  f" WHEN (OLD.id = {ids[2]}) EXECUTE FUNCTION {{s}}.refuse()")
+    reaper = Reaper(queue.database, lease=30, interval=1, hooks=queue.hooks)
+    with pytest.raises(psycopg.errors.RaiseException):
+        await reaper.reap()
+    await wait_for(lambda: bool(rec.of("on_reaped")), timeout=10, what="on_reaped")
+    assert rec.of("on_reaped") == [{"job_ids": ids[:2]}]

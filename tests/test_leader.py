@@ -7,12 +7,13 @@ import asyncio
 import json
 import signal
 import time
+from collections.abc import Awaitable
 
 import psycopg
 import pytest
-from conftest import execute, fetchval, run_cli, spawn_worker, wait_for
+from conftest import execute, fetchval, run_cli, running, spawn_worker, wait_for
 
-from asyncjobq import Queue, Worker
+from asyncjobq import Job, Queue, Worker
 
 
 async def leader_pid(queue: Queue) -> int | None:
@@ -218,3 +219,73 @@ async def test_a_snapshot_from_before_a_takeover_does_not_make_a_leader(
     await asyncio.wait_for(election, timeout=10)
     assert not elector.is_leader
     assert elector.terms == 0
+
+
+async def test_handlers_holding_every_pooled_connection_do_not_cost_the_lease(
+        pg_dsn: str, schema: str) -> None:
+    """The elector, the reaper and the scheduler have connections of their own: handlers that
+    hold the whole pool must not make a healthy leader lose its lease, nor stall reaping."""
+    queue = Queue(pg_dsn, schema=schema, pool_max_size=2)
+    hold = asyncio.Event()
+    holding: list[int] = []
+
+    @queue.task(name="hog")
+    async def hog(job: Job) -> None:
+        async with queue.connection():
+            holding.append(job.id)
+            await hold.wait()
+
+    async with queue:
+        await queue.install()
+        w = Worker(queue, concurrency=4, lease=1.5, poll_interval=0.1, reap_interval=0.2)
+        async with running(w):
+            await wait_for(lambda: w.elector is not None and w.elector.is_leader, timeout=10,
+                           what="the worker leading")
+            for _ in range(2):
+                await hog.enqueue({})
+            await wait_for(lambda: len(holding) == 2, timeout=10, what="the pool held")
+            # A dead worker's job, for this leader's reaper to take back while the pool is held.
+            async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as c:
+                await c.execute(f'INSERT INTO "{schema}".jobs (task, queue, payload, status,'
+                                " attempts, locked_by, locked_at) VALUES ('orphan', 'other',"
+                                " '{}', 'running', 1, 'dead', now() - interval '1 hour')")
+
+                async def fetch(query: str) -> object:
+                    cur = await c.execute(query.replace("{s}", f'"{schema}"'))
+                    row = await cur.fetchone()
+                    return None if row is None else row[0]
+
+                await wait_for(lambda: _equals(fetch("SELECT status FROM {s}.jobs WHERE"
+                                                     " task = 'orphan'"), "queued"),
+                               timeout=10, what="the orphan reaped while the pool is held")
+                # Renewed through three leases while the pool stays held.
+                until = await fetch("SELECT now() + interval '4.5 s'")
+                await wait_for(lambda: _equals(fetch("SELECT expires_at > %s FROM {s}.leader"
+                                                     .replace("%s", f"'{until}'")), True),
+                               timeout=15, what="the lease renewed while the pool is held")
+            assert w.elector is not None and w.elector.terms == 1
+            hold.set()
+
+
+async def test_the_services_stop_before_the_leader_resigns(queue: Queue) -> None:
+    """An elector turn still in flight when the leader resigns could write the row back."""
+    w = Worker(queue, lease=3.0, poll_interval=0.1)
+    seen: list[bool] = []
+    async with running(w):
+        await wait_for(lambda: w.elector is not None and w.elector.is_leader, timeout=10,
+                       what="the worker leading")
+        assert w.elector is not None
+        real = w.elector.resign
+
+        async def resign() -> None:
+            assert w.services is not None
+            seen.append(w.services.ended)
+            await real()
+
+        w.elector.resign = resign  # type: ignore[method-assign]
+    assert seen == [True]
+    assert await queue.leader() is None
+
+
+async def _equals(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected

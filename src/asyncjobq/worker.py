@@ -309,13 +309,13 @@ class Worker:
         await completer.settle(timeout=self.shutdown_timeout)
         # Let running handlers finish...
         if self._running:
-            log.info("stopping: waiting up to %.0f s for %d running job(s)",
+            log.info("stopping: waiting up to %g s for %d running job(s)",
                      self.shutdown_timeout, len(self._running))
             with anyio.move_on_after(self.shutdown_timeout):
                 await self._all_finished()
         # ...then cancel the rest; their executors record them as released back to queued.
         if self._running:
-            log.warning("stopping: cancelling %d job(s) still running after %.0f s: %s",
+            log.warning("stopping: cancelling %d job(s) still running after %g s: %s",
                         len(self._running), self.shutdown_timeout,
                         ", ".join(f"{r.job.id} ({r.job.task})" for r in self._running.values()))
             for r in list(self._running.values()):
@@ -334,7 +334,10 @@ class Worker:
         await self._resign()
 
     async def _resign(self) -> None:
-        # Another worker leads from its next turn instead of after this row expires.
+        # Another worker leads from its next turn instead of after this row expires. The
+        # services stop first: an elector turn still in flight could write the row back.
+        if self.services is not None:
+            await self.services.stop()
         if self.elector is None:
             return
         try:

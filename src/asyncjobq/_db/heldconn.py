@@ -1,4 +1,7 @@
-"""A connection of its own for one busy loop (the fetcher's, the completer's).
+"""A connection of its own for one busy loop (the fetcher's, the completer's), or for a
+maintenance service that must not wait behind handlers for the pool (the elector's, the
+reaper's, the scheduler's: handlers holding every pooled connection would otherwise cost a
+healthy leader its lease, stall reaping and skip periodic ticks; services.py).
 
 Taking a connection from the pool for every claim or flush cost the pool's bookkeeping and,
 while the pool's `check=` still sent a query on every checkout, a round trip before every
@@ -31,9 +34,10 @@ from .._db.database import Database
 class HeldConnection:
     """`async with held:` around the loop; inside it, `held.use()` gives the connection."""
 
-    def __init__(self, db: Database, role: str) -> None:
+    def __init__(self, db: Database, role: str, *, generic_plans: bool = True) -> None:
         self._db = db
         self._role = role
+        self._generic_plans = generic_plans
         self._conn: AsyncConnection[Any] | None = None
         self.active = False
 
@@ -57,8 +61,9 @@ class HeldConnection:
             self._conn = await self._connect()
         try:
             yield self._conn
-        except psycopg.Error:
-            # Whatever state it is in, do not reuse it.
+        except (psycopg.Error, anyio.get_cancelled_exc_class()):
+            # Whatever state it is in (a statement cut off by a cancel may still be running on
+            # it), do not reuse it.
             await self.close()
             raise
 
@@ -67,6 +72,8 @@ class HeldConnection:
         conn = await AsyncConnection.connect(
             q.dsn, autocommit=True, connect_timeout=max(1, int(q.connect_timeout)),
             application_name=f"{q.application_name}-{self._role}")
+        if not self._generic_plans:
+            return conn
         # Prepared from the first execution, not psycopg's fifth: every claim and flush of the
         # loop runs on the generic plan (direct calls outside the loop use the pool).
         conn.prepare_threshold = 0

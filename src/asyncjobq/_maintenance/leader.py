@@ -16,6 +16,10 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from .._db.heldconn import HeldConnection
 from .services import Service
 
 if TYPE_CHECKING:
@@ -40,7 +44,12 @@ class Elector(Service):
         self.timeout = ttl
         self.max_backoff = self.interval
         self._on_change = on_change
+        # Its own connection: handlers holding every pooled one must not cost the lease.
+        self._conn = HeldConnection(db, "leader", generic_plans=False)
+        self.held = self._conn
         self._valid_until = 0.0  # monotonic; leader while now is before it
+        # A turn ended without its reply: it may have written the row all the same.
+        self._unsure = False
         self.leader: str | None = None  # the leader this worker saw last
         self.since: datetime | None = None
         self.terms = 0  # times this worker became leader
@@ -52,15 +61,17 @@ class Elector(Service):
     async def turn(self) -> None:
         sent = time.monotonic()
         try:
-            async with self._db.connection() as conn:
+            async with self._conn.connection() as conn:
                 cur = await conn.execute(self._db.sql.leader_elect,
                                          {"worker": self._worker_id, "ttl": self.ttl})
                 row = await cur.fetchone()
         except BaseException:
             # Unknown whether the renewal landed: what was held is held until it runs out.
+            self._unsure = True
             if self.leader == self._worker_id and not self.is_leader:
                 self._observe(None, None)
             raise
+        self._unsure = False
         leader, since = (str(row[0]), row[1]) if row else (None, None)
         held = bool(row[2]) if row else False
         if leader == self._worker_id and not held:
@@ -87,11 +98,20 @@ class Elector(Service):
             self._on_change(leader)
 
     async def resign(self) -> None:
-        """Give the row up (on stop), so that another worker leads at its next turn."""
-        if not self.is_leader:
+        """Give the row up (on stop, once no turn runs), so that another worker leads at its
+        next turn. Also when the last turn was cut off: it may have taken the row."""
+        was = self.is_leader
+        if not was and not self._unsure:
             return
         self._valid_until = 0.0
-        async with self._db.connection() as conn:
-            await conn.execute(self._db.sql.leader_resign, {"worker": self._worker_id})
-        log.info("worker %s resigned the leadership of schema %s", self._worker_id,
-                 self._db.schema)
+        try:
+            async with self._conn.connection() as conn:
+                await conn.execute(self._db.sql.leader_resign, {"worker": self._worker_id})
+        except (psycopg.Error, PoolTimeout):
+            if was:
+                raise
+            return  # a row that cut-off turn may have written expires after one lease
+        self._unsure = False
+        if was:
+            log.info("worker %s resigned the leadership of schema %s", self._worker_id,
+                     self._db.schema)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from .._db.database import Database
+from .._db.heldconn import HeldConnection
 from ..hooks import Hooks
 from .services import Service
 
@@ -29,23 +30,24 @@ class Reaper(Service):
         self._lease = lease
         self.interval = interval
         self._hooks = hooks
+        # Its own connection: handlers holding every pooled one must not stall reaping.
+        self._conn = HeldConnection(db, "reaper", generic_plans=False)
+        self.held = self._conn
         self.reaped = 0
 
     async def turn(self) -> list[int]:
-        ids = await self.reap_ids()
-        if ids and self._hooks is not None and self._hooks.on_reaped:
-            self._hooks.spawn("on_reaped", job_ids=ids)
-        return ids
+        return await self.reap_ids()
 
     async def reap(self) -> int:
         """Requeue (or fail) stale jobs now; returns how many."""
         return len(await self.reap_ids())
 
     async def reap_ids(self) -> list[int]:
-        """Requeue (or fail) stale jobs now; returns their ids."""
+        """Requeue (or fail) stale jobs now; returns their ids. on_reaped hears of each batch
+        once it is committed, so a later batch that fails loses none of the earlier ones."""
         st = self._db.sql
         total: list[int] = []
-        async with self._db.connection() as conn:
+        async with self._conn.connection() as conn:
             while True:
                 async with conn.transaction():
                     cur = await conn.execute(st.reaper_try_lock)
@@ -64,7 +66,10 @@ class Reaper(Service):
                     log.warning("job %s (%s): lease expired (worker %s stopped heartbeating); "
                                 "%s", job_id, task, worker, "requeued" if status == "queued"
                                 else "failed, no attempts left")
-                total.extend(int(r[0]) for r in rows)
+                ids = [int(r[0]) for r in rows]
+                total.extend(ids)
                 self.reaped += len(rows)
+                if ids and self._hooks is not None and self._hooks.on_reaped:
+                    self._hooks.spawn("on_reaped", job_ids=ids)
                 if len(rows) < REAP_BATCH:
                     return total

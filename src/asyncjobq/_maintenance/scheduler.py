@@ -36,6 +36,7 @@ import anyio.lowlevel
 import psycopg
 
 from .._db.database import Database
+from .._db.heldconn import HeldConnection
 from .periodic import Schedule
 from .services import Service
 
@@ -71,6 +72,9 @@ class Scheduler(Service):
     def __init__(self, db: Database, schedules: Sequence[Schedule], *, grace: float,
                  ahead: float = AHEAD) -> None:
         self._db = db
+        # Its own connection: handlers holding every pooled one must not make ticks late.
+        self._conn = HeldConnection(db, "scheduler", generic_plans=False)
+        self.held = self._conn
         self.schedules = list(schedules)
         # What each schedule's jobs carry, decoded once: the turn sends it back as JSON.
         self._specs = {s.name: [s.name, s.task, json.loads(s.payload), s.queue, s.priority,
@@ -92,7 +96,7 @@ class Scheduler(Service):
         st = self._db.sql
         started = time.perf_counter()
         names = [s.name for s in self.schedules]
-        async with self._db.connection() as conn:
+        async with self._conn.connection() as conn:
             cur = await conn.execute(st.periodic_last_ticks, {"names": names})
             rows = await cur.fetchall()
         read = time.perf_counter()
@@ -123,7 +127,7 @@ class Scheduler(Service):
         self.enqueued += n
         if time.monotonic() - self._pruned_at > PRUNE_EVERY:
             self._pruned_at = time.monotonic()
-            async with self._db.connection() as conn:
+            async with self._conn.connection() as conn:
                 await conn.execute(st.periodic_ticks_prune, {"keep": KEEP_TICKS})
         done = time.perf_counter()
         self.last_turn = {"read": read - started, "compute": computed - read,
@@ -162,7 +166,7 @@ class Scheduler(Service):
 
     async def _write(self, names: list[str], ticks: dict[str, list[list[object]]]) -> int:
         rows = [row for name in names for row in ticks[name]]
-        async with self._db.connection() as conn:
+        async with self._conn.connection() as conn:
             cur = await conn.execute(self._db.sql.periodic_ticks_enqueue, {
                 "schedules": json.dumps([self._specs[name] for name in names],
                                         separators=(",", ":")),
@@ -175,7 +179,7 @@ class Scheduler(Service):
                             now: datetime) -> None:
         """Delete the ticks past the clock (and past what a turn writes ahead) of schedules
         whose latest tick is far in the future: the server's clock was set back."""
-        async with self._db.connection() as conn:
+        async with self._conn.connection() as conn:
             await conn.execute(self._db.sql.periodic_ticks_forget_future,
                                {"names": names, "after": now + self.ahead})
         for name in names:

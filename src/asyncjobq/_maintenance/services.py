@@ -1,7 +1,9 @@
 """Maintenance services and the one runner that runs them (docs/architecture.md).
 
 A service is a small object of one shape: a `name`, an `interval` in seconds, `leader_only`
-(run on the fleet's leader only, leader.py), a `timeout` in seconds and `async turn()`. The
+(run on the fleet's leader only, leader.py), a `timeout` in seconds, `async turn()` and,
+for a service that must not wait behind handlers for a pooled connection, `held` (a connection
+of its own, open while the runner runs; heldconn.py). The
 runner calls each turn every interval, cancels a turn that outlasts its timeout, logs and backs
 off when a turn fails, and never dies of a failed turn: a bug in one service (even one that
 raises CancelledError of its own) must not stop a worker's claims, nor the other services. A
@@ -13,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 
 import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
 from .._db import retrying
+from .._db.heldconn import HeldConnection
 from ..errors import reason
 
 log = logging.getLogger("asyncjobq.services")
@@ -42,6 +46,8 @@ class Service:
     # A turn still running after this is cancelled and counted as failed: a turn stuck on a
     # lock or a server that stopped answering must not hold the service for good.
     timeout = 60.0
+    # A connection of the service's own while the runner runs (else it uses the pool).
+    held: HeldConnection | None = None
 
     async def turn(self) -> object:
         raise NotImplementedError
@@ -53,11 +59,35 @@ class ServiceRunner:
         self.services = list(services)
         self._is_leader = is_leader
         self.failures: dict[str, int] = {}
+        self._scope = anyio.CancelScope()
+        self._started = False
+        self._ended = anyio.Event()
 
     async def run(self) -> None:
-        async with anyio.create_task_group() as tg:
-            for service in self.services:
-                tg.start_soon(self._loop, service, name=f"asyncjobq service {service.name}")
+        self._started = True
+        try:
+            with self._scope:
+                async with AsyncExitStack() as held:
+                    for service in self.services:
+                        if service.held is not None:
+                            await held.enter_async_context(service.held)
+                    async with anyio.create_task_group() as tg:
+                        for service in self.services:
+                            tg.start_soon(self._loop, service,
+                                          name=f"asyncjobq service {service.name}")
+        finally:
+            self._ended.set()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended.is_set()
+
+    async def stop(self) -> None:
+        """Cancel every turn and wait until none runs (before the leader resigns: a turn of
+        the elector still in flight could write the row back)."""
+        self._scope.cancel()
+        if self._started:
+            await self._ended.wait()
 
     async def _loop(self, service: Service) -> None:
         delay = 0.0 if service.eager else service.interval

@@ -30,6 +30,10 @@ class RunningJob:
     cancel_reason: str | None = None
     # Set when the worker is torn down: stop waiting for a sync body that is still running.
     abandoned: bool = False
+    # Set when the attempt ends as interrupted by the worker (released, its run not judged).
+    interrupted: bool = False
+    # Set when a sync body ran to its end while the worker's shutdown waited for it.
+    ran_to_end: bool = False
 
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
@@ -130,7 +134,7 @@ async def _run(running: RunningJob, task: Task, runner: ThreadRunner,
 
 def finished(outcome: Outcome | None, running: RunningJob) -> Finished:
     """What on_finished reports for an attempt (hooks.FINISHED)."""
-    if outcome is None or (running.cancel_reason is not None and outcome.kind == "retry"):
+    if outcome is None or running.interrupted:
         return "cancelled"  # its lease was lost, or the worker stopped and released it
     return {"done": "done", "retry": "retry", "snooze": "snoozed",
             "failed": "failed"}[outcome.kind]  # type: ignore[return-value]
@@ -142,24 +146,33 @@ async def _in_thread(job: Job, running: RunningJob, task: Task, runner: ThreadRu
     the body to return before letting the cancellation through: the job keeps its slot and its
     heartbeat meanwhile, and no other attempt of it can start while this one runs (a timed-out
     or released job would otherwise be claimed again beside its own running body). Only a
-    worker being torn down stops waiting; its job is then reaped after the lease."""
+    worker being torn down stops waiting; its job is then reaped after the lease.
+
+    A body that ran to its end while a shutdown waited for it is judged by what it returned or
+    raised: released as interrupted, a job whose body finished would run a second time."""
     body = runner.submit(task.handler, job)
     cancelled: asyncio.CancelledError | None = None
-    while True:
+    while not body.done():
         try:
-            result = await asyncio.shield(body)
+            await asyncio.shield(body)
         except asyncio.CancelledError as e:
-            if running.abandoned or body.done():
+            if running.abandoned:
                 raise
-            if cancelled is None:
+            if cancelled is None and not body.done():
                 log.warning("job %s (%s) attempt %s: a sync handler cannot be interrupted; "
                             "waiting for it to return before its job is let go", running.job.id,
                             running.job.task, running.job.attempt)
             cancelled = e
-            continue
-        if cancelled is not None:
-            raise cancelled
-        return result
+        except BaseException:
+            break  # the body's own exception, raised by body.result() below
+    if cancelled is not None:
+        if running.cancel_reason != "shutdown":
+            raise cancelled  # a timeout or a lost lease: the executor judges it by that
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # the shutdown's cancel, answered by the body's own end
+        running.ran_to_end = True
+    return body.result()
 
 
 async def execute(
@@ -167,6 +180,18 @@ async def execute(
     hooks: Hooks | None = None,
 ) -> Outcome | None:
     """Run the handler. Returns None only when the lease was lost (nothing may be written)."""
+    outcome = await _attempt(running, task, registered, runner, hooks)
+    # Whatever a handler made of that cancellation (a Fail, a Retry, an error of its own, a
+    # return), another attempt of the job may hold its row now: nothing of this one is written.
+    if running.cancel_reason == "lease lost":
+        return None
+    return outcome
+
+
+async def _attempt(
+    running: RunningJob, task: Task | None, registered: Iterable[str], runner: ThreadRunner,
+    hooks: Hooks | None,
+) -> Outcome:
     job = running.job
     if task is None:
         names = ", ".join(repr(n) for n in sorted(registered)) or "none"
@@ -183,6 +208,7 @@ async def execute(
             f"attempt {job.attempt}: payload is {a_or_an(type(job.payload).__name__)}, not a "
             "JSON object; enqueue a dict"))
     timed_out = False
+    interrupted = False
     result: object = None
     deadline: asyncio.Timeout | None = None
     try:
@@ -219,11 +245,18 @@ async def execute(
             return _failure(job, task, "CancelledError raised by the handler")
         if current is not None:
             current.uncancel()  # our own cancel, turned into an outcome below
+        interrupted = not timed_out
     except BaseException as e:
         return _raised(job, task, e)
-    if running.cancel_reason == "lease lost":
-        return None
-    if running.cancel_reason is not None and not timed_out:
+    else:
+        if running.cancel_reason is not None:
+            # A sync body that returned while a shutdown waited for it (_in_thread) is judged by
+            # its timeout, if that fired meanwhile; otherwise it is done. A handler that
+            # swallowed the worker's cancel and returned is not known to be done: released.
+            timed_out = deadline is not None and deadline.expired()
+            interrupted = not timed_out and not running.ran_to_end
+    if interrupted:
+        running.interrupted = True
         return Outcome(job.id, job.attempt, task=job.task, kind="retry", delay=0.0, error=(
             f"attempt {job.attempt}: interrupted by worker {running.cancel_reason}"))
     if timed_out:

@@ -27,6 +27,11 @@ from ..job import Job
 
 log = logging.getLogger("asyncjobq.fetcher")
 ROLE = "fetch"
+# A job whose claim reply was lost this many times in a row is released with its attempt
+# counted: a row whose reply never arrives (one the driver cannot decode, say) must not be
+# claimed for ever. Remembered for this many jobs at most.
+LOST_CLAIM_TIMES = 3
+LOST_CLAIM_MEMORY = 10_000
 
 
 class Wakeup:
@@ -96,6 +101,9 @@ class Fetcher:
         # table by this worker with no handler. They are released before the next claim.
         self._suspect = False
         self.released = 0
+        # id -> releases in a row: from the LOST_CLAIM_TIMES-th on, a release counts the
+        # attempt (see job_release_lost_claims).
+        self._lost: dict[int, int] = {}
         self.wakeup = Wakeup()
         self.slot_freed = anyio.Event()
         self.stopping = False
@@ -190,6 +198,9 @@ class Fetcher:
         for job in jobs:
             self._dispatch(job)
         self.claimed += len(jobs)
+        if self._lost:  # received at last: its lost replies are no longer in a row
+            for job in jobs:
+                self._lost.pop(job.id, None)
 
     def folded_failed(self, reserved: int) -> None:
         self._reserved -= reserved
@@ -231,17 +242,31 @@ class Fetcher:
             await self.wakeup.wait(0.01)
         held = self._held_now()
         st = self._db.sql
+        counted = [i for i, n in self._lost.items() if n + 1 >= LOST_CLAIM_TIMES]
         async with self._held.connection() as conn:
             cur = await conn.execute(st.job_release_lost_claims, {
                 "worker": self._worker_id, "ids": [i for i, _ in held],
-                "attempts": [a for _, a in held], "channel": self._db.channel})
+                "attempts": [a for _, a in held], "channel": self._db.channel,
+                "counted": counted, "times": LOST_CLAIM_TIMES})
             row = await cur.fetchone()
         self._suspect = False
-        n = int(row[0]) if row else 0
-        if n:
-            self.released += n
+        ids: list[int] = list(row[0]) if row else []
+        for i in ids:
+            self._lost[i] = self._lost.pop(i, 0) + 1  # moved last: the oldest go first below
+        for i in counted:
+            self._lost.pop(i, None)
+        while len(self._lost) > LOST_CLAIM_MEMORY:
+            del self._lost[next(iter(self._lost))]
+        gone = set(counted)
+        uncounted = sum(1 for i in ids if i not in gone)
+        if uncounted:
+            self.released += uncounted
             log.warning("released %d job(s) claimed by a statement whose reply was lost with "
-                        "its connection; their attempt is not counted", n)
+                        "its connection; their attempt is not counted", uncounted)
+        if len(ids) > uncounted:
+            log.warning("job(s) %s: the reply of their claim was lost %d times in a row; "
+                        "released with the attempt counted (failed once attempts are spent)",
+                        ", ".join(str(i) for i in ids if i in gone), LOST_CLAIM_TIMES)
 
     async def release_lost_claims_at_exit(self) -> None:
         """Shutdown: release what a lost claim reply left, if one may have; errors are logged

@@ -187,16 +187,29 @@ class WorkerStatements(Role):
         # Rows this worker claimed but never received (the claim committed, its reply was lost
         # with the connection): back to queued with the attempt uncounted, since no handler
         # ran. Rows it does hold (running, or outcome not yet written) are named in the
-        # parameters and stay. Wakes the queues' workers, as the reaper does.
+        # parameters and stay. Rows in %(counted)s, whose replies were lost again and again
+        # (fetcher.py), keep the attempt, failed once the attempts are spent: a row whose claim
+        # reply never arrives would otherwise be claimed for ever. Wakes the queues' workers,
+        # as the reaper does.
         return _q(
             "WITH released AS ("
-            " UPDATE {s}.jobs j SET status = 'queued', attempts = greatest(j.attempts - 1, 0),"
+            " UPDATE {s}.jobs j SET"
+            "   status = CASE WHEN j.id = ANY(%(counted)s::bigint[])"
+            "     AND j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END::{s}.job_status,"
+            "   finished_at = CASE WHEN j.id = ANY(%(counted)s::bigint[])"
+            "     AND j.attempts >= j.max_attempts THEN now() END,"
+            "   attempts = CASE WHEN j.id = ANY(%(counted)s::bigint[]) THEN j.attempts"
+            "     ELSE greatest(j.attempts - 1, 0) END,"
+            "   last_error = CASE WHEN j.id = ANY(%(counted)s::bigint[])"
+            "     THEN right(concat_ws(E'\\n', j.last_error, format('attempt %%s: claimed, but"
+            " the reply of its claim was lost with the connection %%s times in a row', j.attempts,"
+            " %(times)s::int)), 8000) ELSE j.last_error END,"
             "   locked_by = NULL, locked_at = NULL"
             " WHERE j.status = 'running' AND j.locked_by = %(worker)s"
             "   AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(attempts)s::int[])"
             "     AS h(id, attempt) WHERE h.id = j.id AND h.attempt = j.attempts)"
             " RETURNING j.id, j.queue)"
-            " SELECT (SELECT count(*) FROM released),"
+            " SELECT (SELECT coalesce(array_agg(id), '{{}}') FROM released),"
             " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
             "   'queue', queue, 'run_at', extract(epoch FROM now()))::text)"
             "   FROM (SELECT DISTINCT queue FROM released) d) n)",
