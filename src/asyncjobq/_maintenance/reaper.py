@@ -7,6 +7,7 @@ keeps a second reaper out for the instant two workers might both believe they le
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from .._db.database import Database
 from ..hooks import Hooks
@@ -24,11 +25,14 @@ class Reaper(Service):
     leader_only = True
 
     def __init__(self, db: Database, *, lease: float, interval: float,
-                 hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None,
+                 observe: Callable[[list[tuple[str, str, str]]], None] | None = None) -> None:
         self._db = db
         self._lease = lease
         self.interval = interval
         self._hooks = hooks
+        # Told (queue, task, new status) of each job taken back (the metrics' reaped count).
+        self._observe = observe
         self.reaped = 0
 
     async def turn(self) -> list[int]:
@@ -66,5 +70,7 @@ class Reaper(Service):
                                 else "failed, no attempts left")
                 total.extend(int(r[0]) for r in rows)
                 self.reaped += len(rows)
+                if rows and self._observe is not None:
+                    self._observe([(r[2], r[3], r[1]) for r in rows])
                 if len(rows) < REAP_BATCH:
                     return total
