@@ -358,3 +358,38 @@ async def test_on_reaped_hears_of_each_batch_even_when_a_later_one_fails(
         await reaper.reap()
     await wait_for(lambda: bool(rec.of("on_reaped")), timeout=10, what="on_reaped")
     assert rec.of("on_reaped") == [{"job_ids": ids[:2]}]
+
+
+async def test_observers_are_plain_methods_called_inline_and_their_errors_logged(
+        queue: Queue, caplog: pytest.LogCaptureFixture) -> None:
+    class Wrong:
+        async def on_finished(self, **kw: Any) -> None:
+            pass
+
+    with pytest.raises(ConfigurationError, match="plain `def`"):
+        queue.hooks.add_observer(Wrong())
+    with pytest.raises(ConfigurationError, match="none of the hook methods"):
+        queue.hooks.add_observer(object())
+
+    seen: list[str] = []
+
+    class Counting:
+        def on_started(self, job: Job) -> None:
+            seen.append("started")
+
+        def on_finished(self, job: Job, outcome: str, duration: float) -> None:
+            seen.append(outcome)
+            raise RuntimeError("observer bug")
+
+    queue.hooks.add_observer(Counting())
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        pass
+
+    job_id = await queue.enqueue("t", {})
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: seen == ["started", "done"], timeout=10, what="both observed")
+    info = await queue.get(job_id)
+    assert info is not None and info.status == "done"
+    assert "observer bug" in caplog.text

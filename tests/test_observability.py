@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -22,7 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncjobq import Fail, Job, Queue, Worker
 from asyncjobq import tracing as jobq_tracing
-from asyncjobq.errors import MetricsPortInUseError
+from asyncjobq.errors import (
+    ConfigurationError,
+    MetricsPortInUseError,
+    SchemaNotInstalledError,
+)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -313,3 +318,161 @@ def test_the_examples_dashboard_and_alerts_use_metrics_that_exist(queue: Queue) 
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for needed in ("throughput by outcome", "pickup latency", "queue depth", "failures"):
         assert needed in titles
+
+
+# --- what a hostile or unlucky deployment does to them ---------------------------------------
+
+async def test_a_slow_hook_neither_delays_nor_drops_the_counts(queue: Queue) -> None:
+    """The collector observes inline: a hook registered before it that hangs does not hold
+    the count back until the hooks' timeout."""
+    from asyncjobq import metrics
+
+    class Slow:
+        async def on_finished(self, **kw: object) -> None:
+            await asyncio.sleep(60)
+
+    queue.add_hook(Slow())
+    c = metrics.collector(queue)
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        pass
+
+    job_id = await queue.enqueue("t", {})
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: _status(queue, job_id, "done"), 20, what="the job done")
+        # The hooks' timeout is 10 s: counted through the hook pipeline, it would wait so long.
+        await wait_for(lambda: c.finished.labels("default", "t", "done")._value.get() == 1,
+                       3, what="the finish counted while the slow hook still runs")
+        assert c.running.labels("default")._value.get() == 0
+
+
+async def _status(queue: Queue, job_id: int, status: str) -> bool:
+    info = await queue.get(job_id)
+    return info is not None and info.status == status
+
+
+async def test_jobs_the_reaper_takes_back_are_counted(queue: Queue) -> None:
+    from asyncjobq import metrics
+
+    c = metrics.collector(queue)
+    for attempts in (1, 3):  # requeued, and failed with its attempts spent
+        await fetchval(queue, "INSERT INTO {s}.jobs (task, queue, payload, status, attempts,"
+                       " max_attempts, locked_by, locked_at) VALUES ('gone', 'elsewhere', '{{}}',"
+                       " 'running', %s, 3, 'dead', now() - interval '1 hour') RETURNING id",
+                       attempts)
+    async with running(Worker(queue, poll_interval=0.1, reap_interval=0.1)):
+        await wait_for(lambda: c.reaped.labels("elsewhere", "gone", "failed")._value.get() == 1
+                       and c.reaped.labels("elsewhere", "gone", "requeued")._value.get() == 1,
+                       20, what="both reaped jobs counted")
+
+
+async def test_the_depth_of_a_stopped_worker_is_not_left_behind(queue: Queue) -> None:
+    """An app serving its own registry keeps serving after its worker stops: the last sampled
+    depth must not go on looking current."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from asyncjobq import metrics
+
+    registry = CollectorRegistry()
+    registry.register(metrics.collector(queue))
+    await queue.enqueue_many("nobody", [{}] * 7, queue="q1")
+    async with running(Worker(queue, queues="other", poll_interval=0.1, metrics_interval=0.2)):
+        await wait_for(lambda: b'asyncjobq_queue_jobs{queue="q1",status="queued"} 7.0'
+                       in generate_latest(registry), 10, what="the depth sampled")
+        assert b"asyncjobq_queue_jobs_sampled_timestamp_seconds 0.0" not in \
+            generate_latest(registry)
+    assert b"asyncjobq_queue_jobs{" not in generate_latest(registry)
+
+
+@pytest.mark.parametrize("setting", [{"metrics_interval": float("nan")},
+                                     {"metrics_interval": float("inf")},
+                                     {"metrics_interval": 1e-9},
+                                     {"lease": float("nan")},
+                                     {"poll_interval": float("inf")},
+                                     {"metrics_host": ""}])
+def test_settings_that_would_storm_or_stall_are_refused(queue: Queue,
+                                                        setting: dict[str, object]) -> None:
+    with pytest.raises(ConfigurationError) as e:
+        Worker(queue, **setting)  # type: ignore[arg-type]
+    assert next(iter(setting)) in str(e.value)
+
+
+def test_a_collector_for_something_that_is_not_a_queue_says_so() -> None:
+    from asyncjobq import metrics
+
+    for wrong in (None, "myqueue"):
+        with pytest.raises(ConfigurationError, match=r"pass the asyncjobq\.Queue"):
+            metrics.collector(wrong)  # type: ignore[arg-type]
+
+
+async def test_the_metrics_address_can_be_kept_to_this_host(queue: Queue) -> None:
+    w = Worker(queue, poll_interval=0.1, metrics_port=0, metrics_host="127.0.0.1")
+    async with running(w):
+        await wait_for(lambda: w.metrics_server is not None, 10, what="the metrics server")
+        assert w.metrics_server is not None and w.metrics_server.host == "127.0.0.1"
+        assert "asyncjobq_leader" in str(scrape(w.metrics_server.port))
+
+
+@pytest.mark.parametrize("context", ['{"traceparent": 5}', "[1, 2]", '"00-abc"',
+                                     '{"traceparent": "garbage"}'])
+async def test_a_hostile_trace_context_never_fails_its_job(
+        queue: Queue, exporter: InMemorySpanExporter, context: str) -> None:
+    """trace_context is plain jsonb any SQL may write: what cannot be read starts a new trace."""
+    job_id = await fetchval(queue, "INSERT INTO {s}.jobs (task, payload, trace_context)"
+                            " VALUES ('t', '{{}}', %s::jsonb) RETURNING id", context)
+    ran: list[int] = []
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        ran.append(job.id)
+
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: _status(queue, job_id, "done"), 20, what="the job done")
+    assert ran == [job_id]
+    (span,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.CONSUMER]
+    assert span.parent is None
+
+
+async def test_tracing_on_a_schema_not_yet_migrated_says_to_install(
+        queue: Queue, exporter: InMemorySpanExporter) -> None:
+    from psycopg import sql as pgsql
+
+    async with queue.connection() as conn:
+        await conn.execute(pgsql.SQL("ALTER TABLE {}.jobs DROP COLUMN trace_context")
+                           .format(pgsql.Identifier(queue.schema)))
+    for enqueue in (lambda: queue.enqueue("t", {}), lambda: queue.enqueue_many("t", [{}]),
+                    lambda: queue.enqueue("t", {}, dedup_key="k")):
+        with pytest.raises(SchemaNotInstalledError, match="asyncjobq install"):
+            await enqueue()
+
+
+async def test_a_released_attempt_is_not_an_error_span_and_a_timeout_is(
+        queue: Queue, exporter: InMemorySpanExporter) -> None:
+    started = asyncio.Event()
+
+    @queue.task(name="slow", timeout=0.2, max_attempts=1)
+    async def slow(job: Job) -> None:
+        await asyncio.sleep(60)
+
+    @queue.task(name="long")
+    async def long(job: Job) -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    timed = await queue.enqueue("slow", {})
+    await queue.enqueue("long", {})
+    w = Worker(queue, poll_interval=0.1, shutdown_timeout=0.0)
+    async with running(w):
+        await wait_for(lambda: _status(queue, timed, "failed"), 20, what="the timeout")
+        await wait_for(started.is_set, 20, what="the second running")
+    spans = {s.attributes["messaging.message.id"]: s  # type: ignore[index]
+             for s in exporter.get_finished_spans() if s.kind == SpanKind.CONSUMER}
+    timeout_span = spans[str(timed)]
+    assert timeout_span.status.status_code.name == "ERROR"
+    assert timeout_span.attributes is not None
+    assert timeout_span.attributes["error.type"] == "timeout"
+    (released,) = [s for k, s in spans.items() if k != str(timed)]
+    assert released.status.status_code.name == "UNSET"
+    assert released.attributes is not None
+    assert released.attributes["asyncjobq.interrupted"] == "shutdown"

@@ -220,10 +220,13 @@ def load_checked_app(app: str) -> Queue:
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
               metavar="PORT", help="Serve Prometheus metrics at :PORT/metrics "
               "(needs asyncjobq[prometheus]).")
+@click.option("--metrics-host", default="0.0.0.0", show_default=True, metavar="ADDR",
+              help="Address /metrics listens on (127.0.0.1: this host only).")
 @_guard
 def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | None, lease: float,
            poll_interval: float, shutdown_timeout: float, name: str | None, no_listen: bool,
-           log_level: str, dsn: str | None, metrics_port: int | None) -> None:
+           log_level: str, dsn: str | None, metrics_port: int | None,
+           metrics_host: str) -> None:
     """Run a worker for APP (module:attribute naming a Queue) until SIGTERM/SIGINT."""
     _setup_logging(log_level)
     queue = load_checked_app(app)
@@ -234,7 +237,8 @@ def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | Non
         queue.application_name = "asyncjobq-worker"
     w = Worker(queue, queues=queues or ("default",), concurrency=concurrency, batch_size=batch,
                lease=lease, poll_interval=poll_interval, shutdown_timeout=shutdown_timeout,
-               name=name, listen=not no_listen, metrics_port=metrics_port)
+               name=name, listen=not no_listen, metrics_port=metrics_port,
+               metrics_host=metrics_host)
     try:
         runtime.run(_run_worker, w)
     except MetricsPortInUseError as e:

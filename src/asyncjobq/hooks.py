@@ -22,6 +22,10 @@ outermost first: `async def mw(job, call_next): return await call_next(job)`; it
 the job it passes on, swallow or replace the result, or raise (Retry, Fail or any error,
 judged as the handler's own). With no hook and no middleware registered, the worker does no
 extra work per job.
+
+An observer (`add_observer`) has the same methods as plain `def`s, called inline at the
+event, before the hooks' tasks start: for counters (asyncjobq.metrics) that a slow hook must
+neither delay nor, past MAX_PENDING, drop. It must return at once; what it raises is logged.
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ EVENTS = ("on_enqueued", "on_claimed", "on_started", "on_finished", "on_reaped",
 
 CallNext = Callable[[Job], Awaitable[object]]
 Middleware = Callable[[Job, CallNext], Awaitable[object]]
-_Method = Callable[..., Awaitable[object]]
 
 
 def _is_async(fn: object) -> bool:
@@ -61,12 +64,12 @@ class Hooks:
     """The hooks and middleware registered on one Queue."""
 
     def __init__(self) -> None:
-        self.on_enqueued: list[_Method] = []
-        self.on_claimed: list[_Method] = []
-        self.on_started: list[_Method] = []
-        self.on_finished: list[_Method] = []
-        self.on_reaped: list[_Method] = []
-        self.on_leader_changed: list[_Method] = []
+        self.on_enqueued: list[Callable[..., object]] = []
+        self.on_claimed: list[Callable[..., object]] = []
+        self.on_started: list[Callable[..., object]] = []
+        self.on_finished: list[Callable[..., object]] = []
+        self.on_reaped: list[Callable[..., object]] = []
+        self.on_leader_changed: list[Callable[..., object]] = []
         self.middleware: tuple[Middleware, ...] = ()
         # Whether anything is registered: the worker skips hooks altogether when not.
         self.active = False
@@ -75,6 +78,9 @@ class Hooks:
         self._warned: set[tuple[int, str]] = set()
         self.dropped = 0  # events not delivered because MAX_PENDING calls were in flight
         self._dropped_logged = 0
+        # event -> observers' methods, called inline; also in the event's list above, so that
+        # the worker's `if hooks.on_finished:` sees them.
+        self._inline: dict[str, list[Callable[..., object]]] = {}
 
     def add_hook(self, hook: object) -> None:
         found = {e: getattr(hook, e) for e in EVENTS if callable(getattr(hook, e, None))}
@@ -91,6 +97,36 @@ class Hooks:
             getattr(self, event).append(method)
         self.active = True
 
+    def add_observer(self, observer: object) -> None:
+        """Register plain `def` event methods, called inline (see the module's doc)."""
+        found = {e: getattr(observer, e) for e in EVENTS
+                 if callable(getattr(observer, e, None))}
+        if not found:
+            raise ConfigurationError(
+                f"{observer!r} has none of the hook methods: define one or more of "
+                f"{', '.join(EVENTS)} as plain `def` methods")
+        for event, method in found.items():
+            if _is_async(method):
+                raise ConfigurationError(
+                    f"{type(observer).__name__}.{event} is a coroutine function: an observer's "
+                    "methods are plain `def` (register async ones with add_hook)")
+        for event, method in found.items():
+            self._inline.setdefault(event, []).append(method)
+            getattr(self, event).append(method)
+        self.active = True
+
+    def _observe(self, event: str, kwargs: dict[str, Any]) -> bool:
+        """Call the observers of `event`; True when it has hooks to run as well."""
+        inline = self._inline.get(event)
+        if not inline:
+            return True
+        for method in inline:
+            try:
+                method(**kwargs)
+            except Exception as e:
+                self._failed(method, e)
+        return len(getattr(self, event)) > len(inline)
+
     def add_middleware(self, middleware: Middleware) -> None:
         if not callable(middleware) or not _is_async(middleware):
             raise ConfigurationError(
@@ -102,7 +138,14 @@ class Hooks:
     async def emit(self, event: str, **kwargs: Any) -> None:
         """Call every hook of `event`, each within `timeout` seconds; what a hook raises is
         logged, never raised (only a cancellation of the caller itself goes through)."""
+        if self._observe(event, kwargs):
+            await self._emit_hooks(event, kwargs)
+
+    async def _emit_hooks(self, event: str, kwargs: dict[str, Any]) -> None:
+        inline = self._inline.get(event, ())
         for method in tuple(getattr(self, event)):
+            if method in inline:
+                continue
             try:
                 async with asyncio.timeout(self.timeout) as deadline:
                     await method(**kwargs)
@@ -120,7 +163,8 @@ class Hooks:
             except BaseException as e:  # SystemExit, KeyboardInterrupt from a hook: still its
                 self._failed(method, e)
 
-    def _failed(self, method: _Method, e: BaseException, what: str | None = None) -> None:
+    def _failed(self, method: Callable[..., object], e: BaseException,
+                what: str | None = None) -> None:
         key = (id(method), type(e).__name__)
         first = key not in self._warned
         self._warned.add(key)
@@ -136,6 +180,8 @@ class Hooks:
     def spawn(self, event: str, **kwargs: Any) -> None:
         """emit() in a task of its own, from code that must not wait (claims, completions,
         enqueues, maintenance turns)."""
+        if not self._observe(event, kwargs):
+            return
         if len(self._tasks) >= MAX_PENDING:
             self.dropped += 1
             if self.dropped >= 2 * self._dropped_logged:  # 1, 2, 4, 8...: not once per event
@@ -144,7 +190,7 @@ class Hooks:
                             "(hooks slower than the jobs they watch); make the hooks faster or "
                             "hand their work to a queue of their own", self.dropped, MAX_PENDING)
             return
-        task = asyncio.get_running_loop().create_task(self.emit(event, **kwargs),
+        task = asyncio.get_running_loop().create_task(self._emit_hooks(event, kwargs),
                                                        name=f"asyncjobq hook {event}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -6,8 +6,10 @@ serves its own registry registers `collector(queue)` in it:
     from prometheus_client import REGISTRY
     REGISTRY.register(asyncjobq.metrics.collector(queue))
 
-The collector watches jobs through the queue's hooks (claimed, started, finished), so it sees
-what the workers of *this process* run on that queue. `asyncjobq_queue_jobs` comes from the
+The collector watches jobs as an observer of the queue's hooks (claimed, started, finished:
+called inline, so a slow hook of yours neither delays nor drops a count; hooks.py), so it sees
+what the workers of *this process* run on that queue; the leader's reaper tells it of jobs it
+took back from dead workers (`asyncjobq_jobs_reaped_total`). `asyncjobq_queue_jobs` comes from the
 database: the leader's sampler reads the counts by queue and status every `metrics_interval`
 seconds, so only the leader's process exports it (aggregate it with `max by (queue, status)`).
 Labels are bounded: queue, task and outcome names, never job ids or error texts.
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from .errors import ExtraNotInstalledError, MetricsPortInUseError
+from .errors import ConfigurationError, ExtraNotInstalledError, MetricsPortInUseError
 from .hooks import Finished, Hooks
 from .job import Job
 
@@ -81,8 +83,16 @@ class QueueCollector:
             "asyncjobq_leader", "1 when a worker of this process leads its schema.",
             registry=None)
         self.leader.set_function(self._leads)
+        self.reaped = Counter(
+            "asyncjobq_jobs_reaped", "Running jobs of dead workers taken back by the leader's "
+            "reaper: requeued, or failed with their attempts spent.",
+            ["queue", "task", "result"], registry=None)
+        self.sampled_at = Gauge(
+            "asyncjobq_queue_jobs_sampled_timestamp_seconds", "When asyncjobq_queue_jobs was "
+            "last sampled (Unix time): a value that stops moving means stale depths.",
+            registry=None)
         self._metrics = (self.finished, self.duration, self.pickup, self.claimed, self.running,
-                         self.depth, self.flush, self.leader)
+                         self.depth, self.flush, self.leader, self.reaped, self.sampled_at)
         # (id, attempt) of the jobs whose start was counted: a finish without a counted start
         # (an unknown task, a job cancelled before it started) must not push the gauge below 0.
         self._started: set[tuple[int, int]] = set()
@@ -99,23 +109,23 @@ class QueueCollector:
         for m in self._metrics:
             yield from m.describe()
 
-    # --- hooks (hooks.py) -----------------------------------------------------------------
+    # --- observed events (hooks.py: plain methods, called inline) ----------------------------
 
-    async def on_claimed(self, jobs: list[Job]) -> None:
+    def on_claimed(self, jobs: list[Job]) -> None:
         by_queue: dict[str, int] = {}
         for job in jobs:
             by_queue[job.queue] = by_queue.get(job.queue, 0) + 1
         for q, n in by_queue.items():
             self.claimed.labels(q).inc(n)
 
-    async def on_started(self, job: Job) -> None:
+    def on_started(self, job: Job) -> None:
         self._started.add((job.id, job.attempt))
         self.running.labels(job.queue).inc()
         # run_at is the server's clock: a worker's clock a little behind must not observe < 0.
         self.pickup.labels(job.queue).observe(
             max(0.0, (datetime.now(UTC) - job.run_at).total_seconds()))
 
-    async def on_finished(self, job: Job, outcome: Finished, duration: float) -> None:
+    def on_finished(self, job: Job, outcome: Finished, duration: float) -> None:
         key = (job.id, job.attempt)
         if key in self._started:
             self._started.discard(key)
@@ -128,6 +138,11 @@ class QueueCollector:
     def observe_flush(self, seconds: float) -> None:
         self.flush.observe(seconds)
 
+    def observe_reaped(self, rows: list[tuple[str, str, str]]) -> None:
+        """(queue, task, status after the reaper: queued or failed) of each job taken back."""
+        for queue, task, status in rows:
+            self.reaped.labels(queue, task, "requeued" if status == "queued" else status).inc()
+
     def set_depth(self, counts: dict[str, dict[str, int]]) -> None:
         seen = set()
         for q, statuses in counts.items():
@@ -138,17 +153,23 @@ class QueueCollector:
         for q, status in self._sampled - seen:
             self.depth.remove(q, status)
         self._sampled = seen
+        self.sampled_at.set_to_current_time()
 
     def clear_depth(self) -> None:
         """No longer the leader: another process samples now, stale values would mislead."""
         self.depth.clear()
         self._sampled = set()
+        self.sampled_at.set(0)
 
     def add_worker(self, worker_id: str, is_leader: Callable[[], bool]) -> None:
         self._leaders[worker_id] = is_leader
 
     def remove_worker(self, worker_id: str) -> None:
         self._leaders.pop(worker_id, None)
+        if not self._leads():
+            # No worker of this process samples now: its last depths would go on looking
+            # current to `max by (queue, status)` in an app that keeps serving its registry.
+            self.clear_depth()
 
     def _leads(self) -> float:
         return 1.0 if any(f() for f in tuple(self._leaders.values())) else 0.0
@@ -157,10 +178,14 @@ class QueueCollector:
 def collector(queue: Queue) -> QueueCollector:
     """The metrics collector of `queue` (one per queue: calling again returns the same one),
     registered as the queue's hook; register it in a prometheus_client registry to serve it."""
-    found = _collectors.get(queue.hooks)
+    hooks = getattr(queue, "hooks", None)
+    if not isinstance(hooks, Hooks):
+        raise ConfigurationError(f"metrics.collector({queue!r}): pass the asyncjobq.Queue whose "
+                                 "jobs to count")
+    found = _collectors.get(hooks)
     if found is None:
-        found = _collectors[queue.hooks] = QueueCollector()
-        queue.add_hook(found)
+        found = _collectors[hooks] = QueueCollector()
+        hooks.add_observer(found)
     return found
 
 
@@ -182,7 +207,9 @@ class MetricsServer:
         except OSError as e:
             raise MetricsPortInUseError(
                 f"metrics port {port} on {addr} is not available ({e.strerror or e}): stop "
-                "what holds it or pick another with --metrics-port / metrics_port=") from None
+                "what holds it or pick another with --metrics-port / metrics_port= (or "
+                "another address with --metrics-host / metrics_host=)") from None
+        self.host = str(self._server.server_address[0])
         self.port = int(self._server.server_address[1])
 
     def close(self) -> None:
@@ -191,5 +218,5 @@ class MetricsServer:
         self._thread.join(timeout=5.0)
 
 
-def serve(collected: QueueCollector, port: int) -> MetricsServer:
-    return MetricsServer(collected, port)
+def serve(collected: QueueCollector, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    return MetricsServer(collected, port, host)

@@ -14,7 +14,9 @@ check, nothing is stored (the column stays NULL) and the worker adds no middlewa
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,12 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
 SYSTEM = "asyncjobq"
+# Why the worker cancels a handler (executor.RunningJob.cancel): the job is released or let go,
+# which is not the handler's failure. A timeout's cancellation carries no message.
+_RELEASED = ("shutdown", "lease lost")
+
+log = logging.getLogger("asyncjobq.tracing")
+_warned_context = False
 
 
 def enabled() -> bool:
@@ -93,9 +101,31 @@ def producer(task: str, queue: str, count: int | None = None) -> ProducerSpan | 
     return ProducerSpan(task, queue, count)
 
 
+def _parent(job: Job) -> Any:
+    """The enqueue's context from the job's trace_context, or None. The column is plain jsonb
+    that any SQL may write: a value that is not a carrier of strings starts a new trace and
+    never fails the job."""
+    global _warned_context
+    carrier = job.trace_context
+    if not carrier:
+        return None
+    try:
+        if not isinstance(carrier, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in carrier.items()):
+            raise TypeError("not a JSON object of strings")
+        return propagate.extract(carrier)
+    except Exception as e:
+        if not _warned_context:
+            _warned_context = True
+            log.warning("job %s (%s): its trace_context %.200r cannot be read (%s); its span "
+                        "starts a new trace (written by SQL? store W3C traceparent/tracestate "
+                        "strings, or NULL); logged once", job.id, job.task, carrier, e)
+        return None
+
+
 async def consume(job: Job, call_next: Callable[[Job], Awaitable[object]]) -> object:
     """Middleware: the handler's attempt in a CONSUMER span, child of the enqueue's span."""
-    parent = propagate.extract(job.trace_context) if job.trace_context else None
+    parent = _parent(job)
     attributes: dict[str, Any] = {
         "messaging.system": SYSTEM,
         "messaging.operation.type": "process",
@@ -114,6 +144,16 @@ async def consume(job: Job, call_next: Callable[[Job], Awaitable[object]]) -> ob
         except Retry as e:
             # Asked for by the handler, not an error.
             span.set_attribute("asyncjobq.retry_delay", e.delay)
+            raise
+        except asyncio.CancelledError as e:
+            why = e.args[0] if e.args else None
+            if why in _RELEASED:
+                # Released by the worker (shutdown) or let go (lease lost): not an error.
+                span.set_attribute("asyncjobq.interrupted", str(why))
+            else:
+                span.set_attribute("error.type", "timeout")
+                span.set_status(Status(StatusCode.ERROR, "cancelled: the task's timeout "
+                                       "(or the handler's own cancellation)"))
             raise
         except BaseException as e:
             span.record_exception(e)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -45,11 +46,14 @@ from .queue import Queue, _check_name, _check_queue_name
 log = logging.getLogger("asyncjobq.worker")
 
 
-def _positive(name: str, value: object, *, integer: bool) -> None:
+def _positive(name: str, value: object, *, integer: bool, least: float | None = None) -> None:
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+    # `not value >= least` also refuses NaN; infinity too (a wait that never ends).
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) \
+            or (value <= 0 if least is None else not value >= least):
         kind = "an integer" if integer else "a number of seconds"
-        raise ConfigurationError(f"{name}={value!r}: use {kind} greater than 0")
+        bound = "greater than 0" if least is None else f"of at least {least:g}"
+        raise ConfigurationError(f"{name}={value!r}: use {kind} {bound}")
 
 
 def default_batch_size(concurrency: int) -> int:
@@ -87,8 +91,11 @@ class Worker:
         metrics_port: serve Prometheus metrics (asyncjobq.metrics) at
             http://<host>:<port>/metrics; needs the `prometheus` extra. 0 picks a free port
             (see `metrics_server.port`).
+        metrics_host: the address /metrics listens on: every interface by default, since
+            Prometheus scrapes from another host ("127.0.0.1" keeps it to this one). The page
+            holds counts by queue, task and outcome, never payloads or errors.
         metrics_interval: seconds between the leader's samples of the queue depth
-            (asyncjobq_queue_jobs), when metrics are collected.
+            (asyncjobq_queue_jobs), when metrics are collected; at least 0.1.
     """
 
     def __init__(
@@ -109,6 +116,7 @@ class Worker:
         vacuum_interval: float | None = 1.0,
         metrics_port: int | None = None,
         metrics_interval: float = 5.0,
+        metrics_host: str = "0.0.0.0",
     ) -> None:
         if not isinstance(queue, Queue):
             raise ConfigurationError(
@@ -151,7 +159,12 @@ class Worker:
                                          or not 0 <= metrics_port <= 65535):
             raise ConfigurationError(f"metrics_port={metrics_port!r}: use a TCP port number "
                                      "from 1 to 65535 (0 picks a free one), or None")
-        _positive("metrics_interval", metrics_interval, integer=False)
+        # Each sample counts the jobs table: a tiny interval is the query storm it avoids.
+        _positive("metrics_interval", metrics_interval, integer=False, least=0.1)
+        if not isinstance(metrics_host, str) or not metrics_host:
+            raise ConfigurationError(f"metrics_host={metrics_host!r}: use an address to listen "
+                                     "on, e.g. '0.0.0.0' or '127.0.0.1'")
+        self.metrics_host = metrics_host
         self.metrics_port = metrics_port
         self.metrics_interval = float(metrics_interval)
         # Made now: a missing prometheus extra is a mistake to report before run().
@@ -239,7 +252,8 @@ class Worker:
         self.vacuum = (HotTableVacuum(db, interval=self.vacuum_interval)
                        if self.vacuum_interval is not None else None)
         self.reaper = Reaper(db, lease=self.lease, interval=self.reap_interval,
-                             hooks=self.queue.hooks)
+                             hooks=self.queue.hooks,
+                             observe=collected.observe_reaped if collected is not None else None)
         # The leader's row lasts one lease: a killed leader is replaced as its jobs are.
         elector = self.elector = Elector(db, self.id, ttl=self.lease,
                                          on_change=self._leader_changed)
@@ -263,8 +277,10 @@ class Worker:
                  self.id, ",".join(self.queues), self.concurrency, self.batch_size, self.lease,
                  loop.__module__, loop.__qualname__)
         if self.metrics is not None and self.metrics_port is not None:
-            self.metrics_server = metrics.serve(self.metrics, self.metrics_port)
-            log.info("metrics at http://0.0.0.0:%d/metrics", self.metrics_server.port)
+            self.metrics_server = metrics.serve(self.metrics, self.metrics_port,
+                                                self.metrics_host)
+            log.info("metrics at http://%s:%d/metrics", self.metrics_server.host,
+                     self.metrics_server.port)
         heartbeat.start()
         try:
             await self._serve(fetcher, completer, heartbeat, self.services)

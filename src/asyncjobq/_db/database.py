@@ -253,6 +253,13 @@ class Database:
         """Turn 'schema or table missing' into an error that says to run install."""
         try:
             yield
+        except psycopg.errors.UndefinedColumn as e:
+            # Our statements name only our columns: the schema predates a migration (one
+            # that adds a column, as 0005 adds trace_context for producers that trace).
+            raise SchemaNotInstalledError(
+                f"schema {self.schema} is older than this asyncjobq ({reason(e)}): run "
+                "`python -m asyncjobq install` (or `await queue.install()`) to migrate it"
+            ) from None
         except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName,
                 psycopg.errors.UndefinedObject) as e:
             raise SchemaNotInstalledError(

@@ -7,6 +7,7 @@ keeps a second reaper out for the instant two workers might both believe they le
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from .._db.database import Database
 from .._db.heldconn import HeldConnection
@@ -25,7 +26,8 @@ class Reaper(Service):
     leader_only = True
 
     def __init__(self, db: Database, *, lease: float, interval: float,
-                 hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None,
+                 observe: Callable[[list[tuple[str, str, str]]], None] | None = None) -> None:
         self._db = db
         self._lease = lease
         self.interval = interval
@@ -33,6 +35,8 @@ class Reaper(Service):
         # Its own connection: handlers holding every pooled one must not stall reaping.
         self._conn = HeldConnection(db, "reaper", generic_plans=False)
         self.held = self._conn
+        # Told (queue, task, new status) of each job taken back (the metrics' reaped count).
+        self._observe = observe
         self.reaped = 0
 
     async def turn(self) -> list[int]:
@@ -71,5 +75,7 @@ class Reaper(Service):
                 self.reaped += len(rows)
                 if ids and self._hooks is not None and self._hooks.on_reaped:
                     self._hooks.spawn("on_reaped", job_ids=ids)
+                if rows and self._observe is not None:
+                    self._observe([(r[2], r[3], r[1]) for r in rows])
                 if len(rows) < REAP_BATCH:
                     return total
