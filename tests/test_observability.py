@@ -476,3 +476,21 @@ async def test_a_released_attempt_is_not_an_error_span_and_a_timeout_is(
     assert released.status.status_code.name == "UNSET"
     assert released.attributes is not None
     assert released.attributes["asyncjobq.interrupted"] == "shutdown"
+
+
+async def test_drain_traces_as_the_worker_does(queue: Queue,
+                                               exporter: InMemorySpanExporter) -> None:
+    from asyncjobq.testing import drain
+
+    seen: list[object] = []
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        seen.append(job.trace_context)
+
+    await queue.enqueue("t", {})
+    assert await drain(queue) == {"done": 1, "retry": 0, "failed": 0, "snoozed": 0}
+    (sent,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.PRODUCER]
+    (ran,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.CONSUMER]
+    assert ran.parent is not None and ran.parent.span_id == sent.context.span_id
+    assert seen and seen[0] is not None

@@ -489,3 +489,125 @@ def test_the_helpers_import_without_pytest_and_the_plugin_finds_its_own_server(
     assert (tmp_path / "base" / "asyncjobq-pg0").is_dir()
     assert not (tmp_path / "base" / "asyncjobq-pg0" / "data").exists()
     assert not (tmp_path / ".asyncjobq").exists()
+
+
+# --- what a hostile review found (helper-16) -------------------------------------------------
+
+async def test_an_app_lifespan_closing_the_queue_inside_the_block_leaves_it_open(
+        pg_dsn: str) -> None:
+    a = make_app()
+    async with isolated(a.queue, dsn=pg_dsn) as q:
+        async with q:  # the app's lifespan: open (already open), then close at its end
+            await a.welcome.enqueue({"to": "x@example.com"})
+        assert q.database.is_open
+        await assert_enqueued(q, a.welcome, {"to": "x@example.com"})
+    assert not a.queue.database.is_open
+
+
+@pytest.mark.parametrize(("stored", "wanted", "matches"), [
+    ({"notify": True, "count": 1.0}, {"notify": 1}, False),
+    ({"notify": True, "count": 1.0}, {"count": True}, False),
+    ({"flag": 1}, {"flag": True}, False),
+    ({"count": 1.0}, {"count": 1}, True),
+    ({"ids": [1, 2]}, {"ids": (1, 2)}, True),
+    ({"user": {"id": 7, "name": "a"}}, {"user": {"id": 7}}, True),
+    ({"user": {"id": 7}}, {"user": {"id": 7, "name": "a"}}, False),
+    ({"ids": [1, 2, 3]}, {"ids": [1, 2]}, False),
+    ({"n": None}, {"n": None}, True),
+    ({"n": 0}, {"n": None}, False),
+])
+async def test_payloads_match_as_json_values(app: App, stored: dict[str, Any],
+                                             wanted: dict[str, Any], matches: bool) -> None:
+    await app.queue.enqueue("welcome", stored)
+    if matches:
+        await assert_enqueued(app.queue, "welcome", wanted)
+        with pytest.raises(AssertionError):
+            await refute_enqueued(app.queue, "welcome", wanted)
+    else:
+        await refute_enqueued(app.queue, "welcome", wanted)
+        with pytest.raises(AssertionError):
+            await assert_enqueued(app.queue, "welcome", wanted)
+
+
+async def test_perform_hands_the_handler_decoded_json_not_the_callers_objects() -> None:
+    queue = Queue(schema="app_never_used")
+    seen: list[dict[str, Any]] = []
+
+    @queue.task(name="mutate")
+    async def mutate(job: Job) -> None:
+        seen.append(job.payload)
+        job.payload["items"].append("x")
+
+    items: list[str] = []
+    await perform(queue, mutate, {"items": items, "pair": (1, 2)})
+    assert items == [], "the handler changed the caller's list"
+    assert seen[0]["pair"] == [1, 2]
+    from asyncjobq import InvalidPayloadError
+    with pytest.raises(InvalidPayloadError, match="cannot store"):
+        await perform(queue, mutate, {"items": ["nul \x00 here"]})
+
+
+async def test_what_a_test_registers_on_the_queue_is_gone_after_its_block(pg_dsn: str) -> None:
+    a = make_app()
+    before = (dict(a.queue.tasks), a.queue.hooks.middleware)
+
+    async def breaks(job: Job, call_next: Any) -> object:
+        raise RuntimeError("test one's middleware")
+
+    async with isolated(a.queue, dsn=pg_dsn) as q:
+        q.add_middleware(breaks)
+
+        @q.task(name="only_in_test_one")
+        async def only(job: Job) -> None:
+            pass
+
+    assert (dict(a.queue.tasks), a.queue.hooks.middleware) == before
+    async with isolated(a.queue, dsn=pg_dsn) as q:
+        assert await perform(q, a.welcome, {"to": "b@example.com"}) == "sent to b@example.com"
+
+
+async def test_the_test_schema_goes_before_the_dsns_own_search_path(pg_dsn: str) -> None:
+    own = f"app_{os.getpid()}"
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as c:
+        await c.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(own)))
+        await c.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {}.orders (id int)")
+                        .format(sql.Identifier(own)))
+    try:
+        dsn = psycopg.conninfo.make_conninfo(pg_dsn, options=f"-c search_path={own}")
+        a = make_app()
+        async with isolated(a.queue, dsn=dsn) as q, q.connection() as conn:
+            cur = await conn.execute("SELECT count(*) FROM orders")  # the app's own table
+            assert await cur.fetchone() == (0,)
+            cur = await conn.execute("SHOW search_path")
+            row = await cur.fetchone()
+            assert row is not None and row[0].split(",")[0] == q.schema
+    finally:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as c:
+            await c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(own)))
+
+
+async def test_a_schema_that_cannot_be_dropped_is_an_error_naming_the_fix(pg_dsn: str) -> None:
+    a = make_app()
+    holder: psycopg.AsyncConnection[Any] | None = None
+    schema = ""
+    try:
+        with pytest.raises(AsyncJobQError, match="could not drop the test schema") as e:
+            async with isolated(a.queue, dsn=pg_dsn) as q:
+                schema = q.schema
+                holder = await psycopg.AsyncConnection.connect(pg_dsn)
+                # Left open by the test: holds a lock on the jobs table past the block.
+                await holder.execute(sql.SQL("LOCK TABLE {}.jobs").format(
+                    sql.Identifier(schema)))
+        assert "DROP SCHEMA" in str(e.value)
+    finally:
+        if holder is not None:
+            await holder.close()
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as c:
+            await c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                sql.Identifier(schema)))
+
+
+async def test_drain_until_in_the_past_still_runs_what_is_due(app: App) -> None:
+    await app.welcome.enqueue({"to": "now@example.com"})
+    counts = await drain(app.queue, until=datetime.now(UTC) - timedelta(days=1))
+    assert counts["done"] == 1

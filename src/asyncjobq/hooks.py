@@ -82,6 +82,18 @@ class Hooks:
         # the worker's `if hooks.on_finished:` sees them.
         self._inline: dict[str, list[Callable[..., object]]] = {}
 
+    def copy(self) -> Hooks:
+        """The same registrations in a Hooks of their own (asyncjobq.testing: what a test adds
+        to the copy is gone with it)."""
+        other = Hooks()
+        for event in EVENTS:
+            setattr(other, event, list(getattr(self, event)))
+        other._inline = {e: list(m) for e, m in self._inline.items()}
+        other.middleware = self.middleware
+        other.active = self.active
+        other.timeout = self.timeout
+        return other
+
     def add_hook(self, hook: object) -> None:
         found = {e: getattr(hook, e) for e in EVENTS if callable(getattr(hook, e, None))}
         if not found:

@@ -100,6 +100,9 @@ class Queue:
         # Periodic schedules by name (queue.periodic, @queue.task(cron=...)).
         self.schedules: dict[str, Schedule] = {}
         self.hooks = Hooks()
+        # Set by asyncjobq.testing.isolated for its block: an app's lifespan ending inside
+        # the test (its close()) must not close the queue the test still uses.
+        self._kept_open = False
 
     def __repr__(self) -> str:
         return f"<asyncjobq.Queue schema={self.schema!r} dsn={self._db.where()!r}>"
@@ -148,12 +151,22 @@ class Queue:
     def bound_to(self, dsn: str, schema: str) -> Iterator[Queue]:
         """Point this closed queue at another database and schema for the block, then back as
         it was: the app's module-level tasks keep enqueueing through the same object
-        (asyncjobq.testing.isolated does this). Close the queue before the block ends."""
+        (asyncjobq.testing.isolated does this). Close the queue before the block ends; tasks,
+        schedules, hooks and middleware registered in the block are forgotten after it."""
         before = self._db.rebind(check_dsn(dsn), validate_schema(schema))
+        # What the block registers (tasks, schedules, hooks, middleware) goes with it: a test's
+        # middleware must not run in the next test's jobs.
+        tasks, schedules, hooks = dict(self.tasks), dict(self.schedules), self.hooks
+        self.hooks = hooks.copy()
         try:
             yield self
         finally:
             self._db.restore(before)
+            self.tasks.clear()
+            self.tasks.update(tasks)
+            self.schedules.clear()
+            self.schedules.update(schedules)
+            self.hooks = hooks
 
     # --- task registry ---------------------------------------------------------------------
 
@@ -365,6 +378,8 @@ class Queue:
                                   max_in_flight=max(1, self._db.pool_sizes[1] // 2))
 
     async def close(self) -> None:
+        if self._kept_open:
+            return  # asyncjobq.testing.isolated closes it at the end of its block
         if self._inserter is not None:
             await self._inserter.drain()
         self._inserter = None

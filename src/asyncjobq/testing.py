@@ -14,7 +14,6 @@ statement, so a job ends in the state a worker would leave it in. The pytest plu
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -29,6 +28,9 @@ from typing import Any, Literal
 import psycopg
 from psycopg import sql
 
+from . import tracing
+from ._db.dsn import check_dsn
+
 # The executor is the worker's own, not a copy: a test must see what a worker would do.
 from ._worker.executor import RunningJob, execute, finished
 from ._worker.outcome import Outcome as _Outcome
@@ -36,7 +38,7 @@ from ._worker.threads import ThreadRunner
 from .errors import AsyncJobQError, ConfigurationError, InvalidPayloadError, a_or_an
 from .hooks import CallNext
 from .job import Job, JobInfo
-from .queue import Queue
+from .queue import Queue, _encode_payload
 from .task import Task
 
 __all__ = [
@@ -95,40 +97,69 @@ async def isolated(queue: Queue, *, dsn: str | None = None) -> AsyncIterator[Que
         raise ConfigurationError(f"dsn={dsn!r}: pass a PostgreSQL DSN string, or None")
     server = dsn or os.environ.get(TEST_DSN_ENV) or queue.dsn
     schema = f"asyncjobq_test_{uuid.uuid4().hex[:16]}"
-    try:
-        bound = psycopg.conninfo.make_conninfo(server,
-                                               options=_search_path_first(server, schema))
-    except psycopg.ProgrammingError as e:
-        raise ConfigurationError(
-            f"the test DSN is malformed ({str(e).strip()}): use a URI like "
-            "postgresql://user@host:5432/dbname, via dsn= or $ASYNCJOBQ_TEST_DSN") from None
+    check_dsn(server)  # a typo is a ConfigurationError, not a failed connection
+    bound = psycopg.conninfo.make_conninfo(
+        server, options=_search_path_first(server, schema, await _search_path(server)))
     with queue.bound_to(bound, schema):
         failed = False
         try:
-            async with queue:
-                await queue.install()
-                yield queue
+            await queue.open()
+            # Open for the whole block: an app lifespan that opens and closes the queue inside
+            # the test (its open() finds it open) must not close it under the test.
+            queue._kept_open = True
+            await queue.install()
+            yield queue
         except BaseException:
             failed = True
             raise
         finally:
+            queue._kept_open = False
             try:
-                # Not through the queue's pool, which is closed by now.
-                await _drop_schema(server, schema)
-            except psycopg.Error as e:
-                if not failed:
-                    raise
-                # The test's own error is the one to see; the schema is only litter.
-                log.warning("could not drop test schema %s: %s", schema, e)
+                await queue.close()
+            finally:
+                await _drop_or_say(server, schema, failed)
 
 
-def _search_path_first(dsn: str, schema: str) -> str:
+async def _search_path(dsn: str) -> str:
+    """The search_path the DSN's connections get (its options, the role's or database's
+    settings), for the test schema to go first in, not to replace."""
+    try:
+        async with await psycopg.AsyncConnection.connect(dsn, connect_timeout=10) as conn:
+            cur = await conn.execute("SHOW search_path")
+            row = await cur.fetchone()
+    except psycopg.OperationalError as e:
+        raise ConfigurationError(
+            f"cannot connect to the test server ({str(e).strip()}): check "
+            "$ASYNCJOBQ_TEST_DSN (or dsn=) and that PostgreSQL runs") from None
+    return str(row[0]) if row else "public"
+
+
+def _search_path_first(dsn: str, schema: str, current: str) -> str:
     options = psycopg.conninfo.conninfo_to_dict(dsn).get("options") or ""
-    return f"{options} -c search_path={schema},public".strip()
+    rest = ",".join(part.strip() for part in current.split(",") if part.strip())
+    # libpq splits options on spaces: a backslash keeps one inside the value.
+    path = f"{schema},{rest}" if rest else schema
+    path = path.replace("\\", "\\\\").replace(" ", "\\ ")
+    return f"{options} -c search_path={path}".strip()
+
+
+async def _drop_or_say(server: str, schema: str, failed: bool) -> None:
+    try:
+        await _drop_schema(server, schema)
+    except psycopg.Error as e:
+        if failed:
+            # The test's own error is the one to see; the schema is only litter.
+            log.warning("could not drop test schema %s: %s", schema, e)
+            return
+        raise AsyncJobQError(
+            f"isolated(): could not drop the test schema {schema} ({str(e).strip()}): close "
+            "the connections and stop the workers the test opened before its block ends, then "
+            f"DROP SCHEMA {schema} CASCADE") from None
 
 
 async def _drop_schema(dsn: str, schema: str) -> None:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True,
+                                                     connect_timeout=10) as conn:
         # A worker the test left running may hold locks on its tables: wait a little, not
         # forever (the test reports its own failure; a leftover schema is only litter).
         await conn.execute("SET lock_timeout = '5s'")
@@ -170,15 +201,13 @@ async def enqueued(q: Queue, task: str | Task | None = None, *, queue: str | Non
 async def assert_enqueued(q: Queue, task: str | Task, payload: Mapping[str, Any] | None = None,
                           queue: str | None = None,
                           conn: psycopg.AsyncConnection[Any] | None = None) -> JobInfo:
-    """Fail (AssertionError) unless a queued job of `task` exists whose payload has every key
-    of `payload` with an equal value (and in `queue`, when given); returns the oldest such
-    job. With `conn=`, the caller's uncommitted transaction counts."""
-    _check_queue(q, "assert_enqueued")
-    name = _task_name(task, required=True)
-    wanted = _check_payload(payload)
-    _check_optional_str("queue", queue)
-    found = await enqueued(q, queue=None, conn=conn)
-    matching = [j for j in found if _matches(j, name, wanted, queue)]
+    """Fail (AssertionError) unless a queued job of `task` exists whose payload contains
+    `payload` (as JSON: each key with an equal value, a dict's keys as a subset in turn, true
+    never equal to 1; and in `queue`, when given); returns the oldest such job. With `conn=`,
+    the caller's uncommitted transaction counts."""
+    __tracebackhide__ = True  # pytest: the failure is the test's line, not this helper's
+    found, matching, name, wanted = await _matching(q, "assert_enqueued", task, payload, queue,
+                                                    conn)
     if matching:
         return matching[0]
     raise AssertionError(
@@ -189,26 +218,66 @@ async def assert_enqueued(q: Queue, task: str | Task, payload: Mapping[str, Any]
 async def refute_enqueued(q: Queue, task: str | Task, payload: Mapping[str, Any] | None = None,
                           queue: str | None = None,
                           conn: psycopg.AsyncConnection[Any] | None = None) -> None:
-    """Fail (AssertionError) if a queued job matches, as `assert_enqueued` matches them."""
-    _check_queue(q, "refute_enqueued")
-    name = _task_name(task, required=True)
-    wanted = _check_payload(payload)
-    _check_optional_str("queue", queue)
-    found = await enqueued(q, queue=None, conn=conn)
-    matching = [j for j in found if _matches(j, name, wanted, queue)]
+    """Fail (AssertionError) if a queued job matches, as `assert_enqueued` matches them
+    (queued only: a job already run or failed is not enqueued)."""
+    __tracebackhide__ = True
+    _, matching, name, wanted = await _matching(q, "refute_enqueued", task, payload, queue, conn)
     if matching:
         raise AssertionError(
             f"expected {_describe(name, wanted, queue, 'no')} to be enqueued{_where(conn)}, but "
             f"found {len(matching)}:\n{_lines(matching)}")
 
 
-def _matches(job: JobInfo, task: str | None, payload: Mapping[str, Any], queue: str | None,
+async def _matching(q: Queue, what: str, task: str | Task, payload: Mapping[str, Any] | None,
+                    queue: str | None, conn: psycopg.AsyncConnection[Any] | None,
+                    ) -> tuple[list[JobInfo], list[JobInfo], str, dict[str, Any]]:
+    _check_queue(q, what)
+    name = _task_name(task, required=True)
+    assert name is not None
+    wanted = _as_json(_check_payload(payload), "payload")
+    _check_optional_str("queue", queue)
+    found = await enqueued(q, queue=None, conn=conn)
+    return found, [j for j in found if _matches(j, name, wanted, queue)], name, wanted
+
+
+def _matches(job: JobInfo, task: str | None, payload: dict[str, Any], queue: str | None,
              ) -> bool:
     if task is not None and job.task != task:
         return False
     if queue is not None and job.queue != queue:
         return False
-    return all(k in job.payload and job.payload[k] == v for k, v in payload.items())
+    return _contains(job.payload, payload)
+
+
+def _contains(stored: object, wanted: object) -> bool:
+    """JSON containment: a dict's keys as a subset (at any depth), lists element by element,
+    numbers by value (1 == 1.0, as JSON has one number type), true and false only themselves."""
+    if isinstance(wanted, dict):
+        return isinstance(stored, dict) and all(
+            k in stored and _contains(stored[k], v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(stored, list) and len(stored) == len(wanted) and all(
+            _contains(a, b) for a, b in zip(stored, wanted, strict=True))
+    if isinstance(wanted, bool) or isinstance(stored, bool):
+        return type(stored) is type(wanted) and stored == wanted
+    if type(wanted) in _NUMBERS:
+        return type(stored) in _NUMBERS and stored == wanted
+    return stored == wanted
+
+
+_NUMBERS = (int, float)
+
+
+def _as_json(payload: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """`payload` as a job would carry it: through JSON (tuples become lists, keys strings)."""
+    try:
+        body = json.dumps(dict(payload), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidPayloadError(
+            f"{what} is not JSON-serialisable ({e}): a job's payload is stored as JSON; pass "
+            "only dicts, lists, str, int, finite float, bool and None") from None
+    decoded: dict[str, Any] = json.loads(body)
+    return decoded
 
 
 def _describe(task: str | None, payload: Mapping[str, Any], queue: str | None,
@@ -266,14 +335,9 @@ async def perform(q: Queue, task: str | Task, payload: Mapping[str, Any] | None 
         raise ConfigurationError(
             f"perform(): task {name!r} is not registered on this queue (registered: {known}): "
             "pass the Task object, or register the handler with @queue.task()")
-    body = dict(_check_payload(payload))
-    try:
-        # A payload a worker could never receive fails here, as enqueue would refuse it.
-        json.dumps(body, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise InvalidPayloadError(
-            f"payload is not JSON-serialisable ({e}): a job's payload is stored as JSON; pass "
-            "only dicts, lists, str, int, finite float, bool and None") from None
+    # What a worker would hand the handler: the payload through enqueue's own encoder (its
+    # refusals included) and back, never the caller's objects.
+    body = json.loads(_encode_payload(dict(_check_payload(payload))))
     if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
         raise ConfigurationError(f"attempt={attempt!r}: use 1 (the first) or more")
     now = datetime.now(UTC)
@@ -288,8 +352,9 @@ async def perform(q: Queue, task: str | Task, payload: Mapping[str, Any] | None 
         return value
 
     # Outermost, so that it sees what the app's middleware passed back.
-    hooks = copy.copy(q.hooks)
-    hooks.middleware = (capture, *q.hooks.middleware)
+    hooks = q.hooks.copy()
+    hooks.middleware = (capture, *(tracing.instrument_worker(q.hooks.middleware)
+                                   or q.hooks.middleware))
     hooks.active = True
     outcome = await _attempt(q, hooks, job, t, "asyncjobq-testing-perform")
     assert outcome is not None
@@ -341,11 +406,20 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
         " attempts = attempts + 1"
         " WHERE id = (SELECT id FROM {s}.jobs WHERE status = 'queued'"
         "   AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))"
-        "   AND run_at <= coalesce(%(until)s::timestamptz, now())"
+        # Due by the server's clock: until= only ever adds to now(), never holds a due job.
+        "   AND run_at <= greatest(now(), coalesce(%(until)s::timestamptz, now()),"
+        "     now() + make_interval(secs => coalesce(%(ahead)s::float8, 0)))"
         "   ORDER BY priority DESC, run_at, id LIMIT 1 FOR NO KEY UPDATE SKIP LOCKED)"
         " RETURNING id, task, queue, payload, priority, attempts, max_attempts, run_at,"
-        " created_at").format(s=sql.Identifier(q.schema))
-    params = {"worker": worker, "queues": names, "until": horizon}
+        " created_at, trace_context").format(s=sql.Identifier(q.schema))
+    params = {"worker": worker, "queues": names, "until": horizon,
+              "ahead": until.total_seconds() if isinstance(until, timedelta) else None}
+    # The worker's tracing middleware too (tracing.py), when a tracer provider is set.
+    hooks = q.hooks
+    traced = tracing.instrument_worker(hooks.middleware)
+    if traced is not None:
+        hooks = hooks.copy()
+        hooks.middleware, hooks.active = traced, True
     counts = {"done": 0, "retry": 0, "failed": 0, "snoozed": 0}
     runs: dict[int, int] = {}
     ran = 0
@@ -358,7 +432,7 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
             break
         job = Job(id=row[0], task=row[1], queue=row[2], payload=row[3], priority=row[4],
                   attempt=row[5], max_attempts=row[6], run_at=row[7], created_at=row[8],
-                  worker=worker)
+                  worker=worker, trace_context=row[9])
         runs[job.id] = runs.get(job.id, 0) + 1
         if runs[job.id] > RUNS_PER_JOB_LIMIT:
             await _write(q, worker, _Outcome(job.id, job.attempt, "snooze", 0.0, task=job.task))
@@ -366,9 +440,9 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
                 f"drain: job {job.id} ({job.task}) ran {RUNS_PER_JOB_LIMIT} times in this drain "
                 "and is due again at once (a handler raising Retry(delay=0) every time?): give "
                 "the Retry a delay, or pass max_jobs= to bound the drain")
-        if q.hooks.on_claimed:
-            await q.hooks.emit("on_claimed", jobs=[job])
-        outcome = await _attempt(q, q.hooks, job, q.tasks.get(job.task), worker)
+        if hooks.on_claimed:
+            await hooks.emit("on_claimed", jobs=[job])
+        outcome = await _attempt(q, hooks, job, q.tasks.get(job.task), worker)
         assert outcome is not None  # a drain never loses its lease: nothing reaps it
         await _write(q, worker, outcome)
         counts["snoozed" if outcome.kind == "snooze" else outcome.kind] += 1
@@ -395,7 +469,7 @@ def _horizon(until: object) -> datetime | None:
     if until is None:
         return None
     if isinstance(until, timedelta):
-        return datetime.now(UTC) + until
+        return None  # added to the server's now() in the claim
     if isinstance(until, datetime):
         if until.tzinfo is None or until.utcoffset() is None:
             raise ConfigurationError(
