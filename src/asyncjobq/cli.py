@@ -363,19 +363,21 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
     """Per queue: counts by status, oldest queued age, stale running, last-minute throughput."""
 
     async def gather(q: Queue) -> tuple[dict[str, dict[str, int]], dict[str, Any],
-                                        dict[str, Any] | None, dict[str, Any]]:
+                                        dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
         # Counts read from a schema of another version could be wrong; say so instead.
         async with q.connection() as conn:
             await migrations.check(conn, q.schema)
-        return await q.stats(), await q.health(lease), await q.leader(), await q.last_ticks()
+        return (await q.stats(), await q.health(lease), await q.leader(), await q.last_ticks(),
+                await q.paused())
 
-    counts, health, leader, ticks = _with_queue(dsn, schema, gather)
+    counts, health, leader, ticks, paused = _with_queue(dsn, schema, gather)
     lead = None if leader is None else {"worker": leader["worker"],
                                         "since": leader["since"].isoformat()}
     last_ticks = {name: _iso(t) for name, t in ticks.items()}
     if as_json:
         click.echo(json.dumps({"schema": schema, "queues": counts, "health": health,
-                               "leader": lead, "schedules": last_ticks}, indent=2,
+                               "leader": lead, "schedules": last_ticks,
+                               "paused": {q: _iso(t) for q, t in paused.items()}}, indent=2,
                               sort_keys=True))
         return
     from rich.console import Console
@@ -388,7 +390,8 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
     for name in sorted(counts):
         c, h = counts[name], health.get(name, {})
         age = h.get("oldest_queued_age_s")
-        table.add_row(name, *(str(c[s]) for s in ("queued", "running", "done", "failed",
+        table.add_row(name + (" (paused)" if name in paused else ""),
+                      *(str(c[s]) for s in ("queued", "running", "done", "failed",
                                                   "cancelled")),
                       "-" if age is None else f"{age:.1f} s", str(h.get("stale_running", 0)),
                       str(h.get("done_last_minute", 0)))
@@ -397,6 +400,9 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
     if last_ticks:
         newest = max((t for t in last_ticks.values() if t), default=None)
         who += f"; {len(last_ticks)} schedule(s), latest tick {newest or 'none yet'}"
+    idle = sorted(set(paused) - set(counts))
+    if idle:
+        who += f"; paused without jobs: {', '.join(idle)}"
     table.caption = f"no jobs yet; {who}" if not counts else who
     Console().print(table)
 
@@ -441,6 +447,26 @@ def schedules(app: str, as_json: bool, dsn: str | None) -> None:
         table.caption = "no schedules: register them with queue.periodic(...) or " \
                         "@queue.task(cron=...)"
     Console().print(table)
+
+
+@main.command()
+@click.argument("queue_name", metavar="QUEUE")
+@_db_options
+@_guard
+def pause(queue_name: str, dsn: str | None, schema: str) -> None:
+    """Stop workers from claiming QUEUE's jobs; running ones finish (resume undoes it)."""
+    now = _with_queue(dsn, schema, lambda q: q.pause(queue_name))
+    click.echo(f"queue {queue_name} paused" if now else f"queue {queue_name} was paused already")
+
+
+@main.command()
+@click.argument("queue_name", metavar="QUEUE")
+@_db_options
+@_guard
+def resume(queue_name: str, dsn: str | None, schema: str) -> None:
+    """Let workers claim QUEUE's jobs again."""
+    was = _with_queue(dsn, schema, lambda q: q.resume(queue_name))
+    click.echo(f"queue {queue_name} resumed" if was else f"queue {queue_name} was not paused")
 
 
 @main.command("retry-failed")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from dataclasses import replace
@@ -693,6 +695,47 @@ class Queue:
                 deleted[q] = deleted.get(q, 0) + n
         return deleted
 
+    async def pause(self, queue: str) -> bool:
+        """Stop every worker from claiming `queue`'s jobs until resume(): running jobs finish,
+        jobs enqueued meanwhile wait. Returns False when it was paused already.
+
+        Claims that started before the pause committed cannot see it: pause() waits (up to
+        PAUSE_SETTLE seconds) for this database's asyncjobq statements that were running then,
+        so that no claim of the queue's jobs lands after it returns."""
+        _check_queue_name(queue)
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.queue_pause, {"queue": queue})
+            row = await cur.fetchone()
+            cur = await c.execute("SELECT clock_timestamp()")
+            since = await cur.fetchone()
+            deadline = time.monotonic() + PAUSE_SETTLE
+            prefix = self.application_name.replace("\\", "\\\\").replace("%", "\\%") \
+                .replace("_", "\\_") + "%"
+            while time.monotonic() < deadline:
+                cur = await c.execute(self.sql.claims_in_flight,
+                                      {"since": since[0] if since else None, "prefix": prefix})
+                left = await cur.fetchone()
+                if not left or not left[0]:
+                    break
+                await asyncio.sleep(0.005)
+        return bool(row and row[1])
+
+    async def resume(self, queue: str) -> bool:
+        """Let workers claim `queue`'s jobs again (they are woken at once); returns False when
+        it was not paused."""
+        _check_queue_name(queue)
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.queue_resume,
+                                  {"queue": queue, "channel": self.channel})
+            row = await cur.fetchone()
+        return bool(row and row[0])
+
+    async def paused(self) -> dict[str, datetime]:
+        """{queue: paused since} of the paused queues."""
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.queue_paused_list)
+            return {str(q): at for q, at in await cur.fetchall()}
+
     async def cancel(self, job_id: int) -> bool:
         """Cancel a queued job; False if it is not queued (running, finished or unknown)."""
         _check_int("job_id", job_id, bits=64)
@@ -700,6 +743,9 @@ class Queue:
             cur = await c.execute(self.sql.job_cancel, (job_id,))
             return await cur.fetchone() is not None
 
+
+# Seconds pause() waits at most for claims that started before it committed (Queue.pause).
+PAUSE_SETTLE = 5.0
 
 # What to do when an enqueue's job may or may not have been written (inserter.write).
 _USE_DEDUP = ("enqueueing it again may create it twice: pass a dedup_key to make that safe "

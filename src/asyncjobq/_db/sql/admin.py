@@ -160,6 +160,46 @@ class AdminStatements(Role):
             " FROM cancelled RETURNING id"
         ).format(s=sql.Identifier(self.schema), h=sql.SQL(HISTORY_COLUMNS))
 
+    # --- pause / resume (0006_paused_queues.sql) --------------------------------------------
+
+    @property
+    def queue_pause(self) -> sql.Composed:
+        # Returns the row whether it was paused now or already: pausing twice is not an error.
+        return _q(
+            "WITH added AS (INSERT INTO {s}.paused_queues (queue) VALUES (%(queue)s)"
+            "   ON CONFLICT (queue) DO NOTHING RETURNING paused_at)"
+            " SELECT paused_at, true FROM added"
+            " UNION ALL SELECT paused_at, false FROM {s}.paused_queues"
+            "   WHERE queue = %(queue)s AND NOT EXISTS (SELECT FROM added)",
+            self.schema,
+        )
+
+    @property
+    def queue_resume(self) -> sql.Composed:
+        # Wakes the queue's workers, as an enqueue does: they claim at once, not at their poll.
+        return _q(
+            "WITH removed AS (DELETE FROM {s}.paused_queues WHERE queue = %(queue)s"
+            "   RETURNING queue)"
+            " SELECT count(*), (SELECT count(*) FROM (SELECT pg_notify(%(channel)s,"
+            "   json_build_object('queue', queue, 'run_at', extract(epoch FROM now()))::text)"
+            "   FROM removed) n) FROM removed",
+            self.schema,
+        )
+
+    @property
+    def claims_in_flight(self) -> sql.SQL:
+        # Statements of asyncjobq connections (the workers' claims among them) still running
+        # since before `since`: a claim's snapshot taken before a pause committed does not see
+        # it, so pause() waits them out (Queue.pause).
+        return sql.SQL(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND state = 'active'"
+            " AND query_start < %(since)s AND application_name LIKE %(prefix)s")
+
+    @property
+    def queue_paused_list(self) -> sql.Composed:
+        return _q("SELECT queue, paused_at FROM {s}.paused_queues ORDER BY queue", self.schema)
+
     # --- doctor: read-only health checks ----------------------------------------------------
 
     @property

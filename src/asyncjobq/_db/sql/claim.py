@@ -37,10 +37,14 @@ class WorkerStatements(Role):
         # as the LIMIT pulls, so a claim that fills up in the first priority never descends
         # further, and only rows it returns are locked. The rows come out in claim order by
         # construction (priorities descending, a nested loop over them), not by a sort.
+        # A paused queue (0006_paused_queues.sql) yields no first priority, so nothing: the
+        # probe depends on the queue alone, evaluated once per queue, not once per row.
         return (
             "WITH RECURSIVE p AS ("
             "  (SELECT priority FROM {s}.jobs"
             f"   WHERE queue = {queue} AND status = 'queued'"
+            "     AND NOT EXISTS (SELECT FROM {s}.paused_queues pq"
+            f"       WHERE pq.queue = {queue})"
             "   ORDER BY priority DESC LIMIT 1)"
             "  UNION ALL"
             "  SELECT (SELECT j.priority FROM {s}.jobs j"
