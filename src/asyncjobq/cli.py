@@ -32,7 +32,7 @@ from .errors import (
     a_or_an,
     reason,
 )
-from .queue import Queue
+from .queue import Queue, check_queue_name
 from .worker import Worker
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -109,6 +109,15 @@ def _schema_param(_ctx: click.Context, _param: click.Parameter, value: str) -> s
         return validate_schema(value)
     except ConfigurationError as e:
         raise click.BadParameter(str(e)) from None
+
+
+def _queue_param(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    # A queue name that could never be valid is a usage mistake (exit 2).
+    try:
+        check_queue_name(value)
+    except ConfigurationError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
 
 
 def _db_options(fn: F) -> F:
@@ -450,7 +459,7 @@ def schedules(app: str, as_json: bool, dsn: str | None) -> None:
 
 
 @main.command()
-@click.argument("queue_name", metavar="QUEUE")
+@click.argument("queue_name", metavar="QUEUE", callback=_queue_param)
 @_db_options
 @_guard
 def pause(queue_name: str, dsn: str | None, schema: str) -> None:
@@ -460,7 +469,7 @@ def pause(queue_name: str, dsn: str | None, schema: str) -> None:
 
 
 @main.command()
-@click.argument("queue_name", metavar="QUEUE")
+@click.argument("queue_name", metavar="QUEUE", callback=_queue_param)
 @_db_options
 @_guard
 def resume(queue_name: str, dsn: str | None, schema: str) -> None:

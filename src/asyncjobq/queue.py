@@ -888,8 +888,12 @@ def _check_name(what: str, value: object, example: str) -> None:
         )
 
 
-def _check_queue_name(value: object) -> None:
+def check_queue_name(value: object) -> None:
+    """ConfigurationError naming the rule unless `value` can be a queue's name."""
     _check_name("queue", value, "default")
+
+
+_check_queue_name = check_queue_name
 
 
 def _check_task_name(value: object) -> None:
