@@ -7,8 +7,10 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 
+import psycopg
 from claims import CREATE_CLAIMS
 from conftest import execute, fetchval, run_cli, running, spawn_worker, wait_for
+from psycopg import sql
 
 from asyncjobq import ConfigurationError, Job, Queue, Worker
 
@@ -107,8 +109,9 @@ async def test_pause_across_worker_processes(queue: Queue, pg_dsn: str) -> None:
         await wait_for(lambda: _none_running(queue), 20, what="running jobs finished")
         lag = await fetchval(queue, "SELECT extract(epoch FROM max(at) - %s) FROM {s}.claims"
                              " WHERE at > %s", returned, returned)
-        print(f"\npause across 2 worker processes: last start {float(lag or 0) * 1000:.1f} ms "
-              "after pause() returned")
+        print("\npause across 2 worker processes: " + (
+            "no handler started after pause() returned" if lag is None else
+            f"last handler start {float(lag) * 1000:.1f} ms after pause() returned"))
         assert lag is None or float(lag) < 0.5
         held = await _count(queue, "queued")
         assert held > 0
@@ -158,3 +161,48 @@ async def test_pause_refuses_a_bad_queue_name(queue: Queue) -> None:
             assert "queue" in str(e)
         else:
             raise AssertionError(f"pause({bad!r}) was accepted")
+
+
+async def test_pause_waits_for_a_claim_that_began_before_it(queue: Queue, pg_dsn: str) -> None:
+    """A claim under way when the pause commits cannot see it: pause() returns only once that
+    claim has committed. Here the "claim" is a transaction that read paused_queues (as every
+    claim does) and stays open, under another application name."""
+    holder = await psycopg.AsyncConnection.connect(pg_dsn, application_name="not-asyncjobq")
+    try:
+        await holder.execute(sql.SQL("SELECT count(*) FROM {}.paused_queues").format(
+            sql.Identifier(queue.schema)))
+        pausing = asyncio.create_task(queue.pause("default"))
+        await wait_for(lambda: _paused_row(pg_dsn, queue.schema), 10,
+                       what="the pause committed")
+        await asyncio.sleep(0)
+        assert not pausing.done(), "pause() returned while an earlier claim was still open"
+        await holder.commit()
+        await asyncio.wait_for(pausing, 10)
+        assert pausing.result() is True
+    finally:
+        await holder.close()
+
+
+async def _paused_row(dsn: str, schema: str) -> bool:
+    async with await psycopg.AsyncConnection.connect(dsn) as c:
+        cur = await c.execute(sql.SQL("SELECT count(*) FROM {}.paused_queues").format(
+            sql.Identifier(schema)))
+        row = await cur.fetchone()
+        return bool(row and row[0])
+
+
+async def test_drain_leaves_a_paused_queue_alone(queue: Queue) -> None:
+    from asyncjobq.testing import drain
+
+    ran: list[str] = []
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        ran.append(job.queue)
+
+    await queue.enqueue("t", {}, queue="emails")
+    await queue.enqueue("t", {})
+    await queue.pause("emails")
+    assert (await drain(queue))["done"] == 1 and ran == ["default"]
+    await queue.resume("emails")
+    assert (await drain(queue))["done"] == 1 and ran == ["default", "emails"]

@@ -17,10 +17,10 @@ Labels are bounded: queue, task and outcome names, never job ids or error texts.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError, ExtraNotInstalledError, MetricsPortInUseError
 from .hooks import Finished, Hooks
@@ -97,6 +97,8 @@ class QueueCollector:
         # (an unknown task, a job cancelled before it started) must not push the gauge below 0.
         self._started: set[tuple[int, int]] = set()
         self._leaders: dict[str, Callable[[], bool]] = {}
+        self._queue_children: dict[str, tuple[Any, Any]] = {}
+        self._task_children: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
         self._sampled: set[tuple[str, str]] = set()
 
     # --- prometheus_client's collector interface ----------------------------------------
@@ -118,20 +120,39 @@ class QueueCollector:
         for q, n in by_queue.items():
             self.claimed.labels(q).inc(n)
 
+    # labels() takes a lock and builds a key on every call: the children of each queue (and
+    # queue and task) are looked up once and kept, which halves the collector's cost per job.
+    def _of_queue(self, queue: str) -> tuple[Any, Any]:
+        found = self._queue_children.get(queue)
+        if found is None:
+            found = self._queue_children[queue] = (self.running.labels(queue),
+                                                   self.pickup.labels(queue))
+        return found
+
+    def _of_task(self, queue: str, task: str) -> tuple[Any, dict[str, Any]]:
+        found = self._task_children.get((queue, task))
+        if found is None:
+            found = self._task_children[queue, task] = (self.duration.labels(queue, task), {})
+        return found
+
     def on_started(self, job: Job) -> None:
         self._started.add((job.id, job.attempt))
-        self.running.labels(job.queue).inc()
+        running, pickup = self._of_queue(job.queue)
+        running.inc()
         # run_at is the server's clock: a worker's clock a little behind must not observe < 0.
-        self.pickup.labels(job.queue).observe(
-            max(0.0, (datetime.now(UTC) - job.run_at).total_seconds()))
+        pickup.observe(max(0.0, time.time() - job.run_at.timestamp()))
 
     def on_finished(self, job: Job, outcome: Finished, duration: float) -> None:
         key = (job.id, job.attempt)
         if key in self._started:
             self._started.discard(key)
-            self.running.labels(job.queue).dec()
-        self.finished.labels(job.queue, job.task, outcome).inc()
-        self.duration.labels(job.queue, job.task).observe(duration)
+            self._of_queue(job.queue)[0].dec()
+        took, finished = self._of_task(job.queue, job.task)
+        counter = finished.get(outcome)
+        if counter is None:
+            counter = finished[outcome] = self.finished.labels(job.queue, job.task, outcome)
+        counter.inc()
+        took.observe(duration)
 
     # --- fed by the worker ----------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -50,6 +51,8 @@ from .errors import (
 from .hooks import Hooks, Middleware
 from .job import MAX_DELAY, STATUSES, JobInfo, RetryResult
 from .task import Backoff, Handler, Task
+
+log = logging.getLogger("asyncjobq.queue")
 
 
 class Queue:
@@ -699,25 +702,31 @@ class Queue:
         """Stop every worker from claiming `queue`'s jobs until resume(): running jobs finish,
         jobs enqueued meanwhile wait. Returns False when it was paused already.
 
-        Claims that started before the pause committed cannot see it: pause() waits (up to
-        PAUSE_SETTLE seconds) for this database's asyncjobq statements that were running then,
-        so that no claim of the queue's jobs lands after it returns."""
+        Claims already under way when the pause committed may not see it: pause() waits (up
+        to PAUSE_SETTLE seconds, then logs a warning) until they have committed, so no job of
+        the queue is claimed after it returns. Cancelled while waiting, the pause stands.
+        Workers of a version before schema 6 do not know pauses: upgrade them all first."""
         _check_queue_name(queue)
+        table = f'"{self.schema}".paused_queues'
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.queue_pause, {"queue": queue})
             row = await cur.fetchone()
-            cur = await c.execute("SELECT clock_timestamp()")
-            since = await cur.fetchone()
+            cur = await c.execute(self.sql.paused_queues_lockers, {"table": table})
+            found = await cur.fetchone()
+            vxids = list(found[0]) if found else []
             deadline = time.monotonic() + PAUSE_SETTLE
-            prefix = self.application_name.replace("\\", "\\\\").replace("%", "\\%") \
-                .replace("_", "\\_") + "%"
-            while time.monotonic() < deadline:
-                cur = await c.execute(self.sql.claims_in_flight,
-                                      {"since": since[0] if since else None, "prefix": prefix})
+            while vxids:
+                cur = await c.execute(self.sql.paused_queues_lockers_left,
+                                      {"table": table, "vxids": vxids})
                 left = await cur.fetchone()
                 if not left or not left[0]:
                     break
-                await asyncio.sleep(0.005)
+                if time.monotonic() > deadline:
+                    log.warning("pause(%r): %d claim(s) that began before the pause were still "
+                                "running after %g s; jobs they claim may start after it",
+                                queue, left[0], PAUSE_SETTLE)
+                    break
+                await asyncio.sleep(0.002)
         return bool(row and row[1])
 
     async def resume(self, queue: str) -> bool:

@@ -406,6 +406,7 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
         " attempts = attempts + 1"
         " WHERE id = (SELECT id FROM {s}.jobs WHERE status = 'queued'"
         "   AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))"
+        "   AND NOT EXISTS (SELECT FROM {s}.paused_queues pq WHERE pq.queue = jobs.queue)"
         # Due by the server's clock: until= only ever adds to now(), never holds a due job.
         "   AND run_at <= greatest(now(), coalesce(%(until)s::timestamptz, now()),"
         "     now() + make_interval(secs => coalesce(%(ahead)s::float8, 0)))"

@@ -186,15 +186,25 @@ class AdminStatements(Role):
             self.schema,
         )
 
+    # Every claim reads paused_queues, so it holds an AccessShareLock on it until it commits;
+    # its locks are taken before its snapshot. The transactions holding one right after a
+    # pause committed are the claims that may not have seen it (Queue.pause waits them out).
+    # pg_locks, not pg_stat_activity: any role may read it, whatever the application name.
     @property
-    def claims_in_flight(self) -> sql.SQL:
-        # Statements of asyncjobq connections (the workers' claims among them) still running
-        # since before `since`: a claim's snapshot taken before a pause committed does not see
-        # it, so pause() waits them out (Queue.pause).
-        return sql.SQL(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND state = 'active'"
-            " AND query_start < %(since)s AND application_name LIKE %(prefix)s")
+    def paused_queues_lockers(self) -> sql.Composed:
+        return _q(
+            "SELECT coalesce(array_agg(DISTINCT virtualtransaction), '{{}}') FROM pg_locks"
+            " WHERE relation = to_regclass(%(table)s) AND pid <> pg_backend_pid()",
+            self.schema,
+        )
+
+    @property
+    def paused_queues_lockers_left(self) -> sql.Composed:
+        return _q(
+            "SELECT count(*) FROM pg_locks WHERE relation = to_regclass(%(table)s)"
+            " AND virtualtransaction = ANY(%(vxids)s::text[])",
+            self.schema,
+        )
 
     @property
     def queue_paused_list(self) -> sql.Composed:
