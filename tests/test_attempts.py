@@ -493,3 +493,40 @@ async def test_a_job_whose_claim_reply_is_always_lost_is_not_claimed_for_ever(
     info = await queue.get(job_id)
     assert info is not None and info.attempts == 1
     assert info.last_error is not None and "lost with the connection 3 times" in info.last_error
+
+
+async def test_jobs_claimed_beside_one_whose_reply_is_always_lost_are_not_charged(
+        queue: Queue) -> None:
+    """A lost reply of a batch is no one row's doing: the batch is released uncounted and its
+    rows are claimed one at a time, so only the row whose reply never arrives is charged."""
+    ran: list[int] = []
+
+    @queue.task(name="fragile", max_attempts=1)
+    async def fragile(job: Job) -> None:
+        ran.append(job.id)
+
+    w = Worker(queue, concurrency=4, poll_interval=0.1)
+    calls: list[int] = []
+    async with running(w):
+        fetcher = w.fetcher
+        assert fetcher is not None
+        real_claim = fetcher.claim
+
+        async def claim_reply_lost_with_the_victim(limit: int) -> list[Job]:
+            calls.append(limit)
+            jobs = await real_claim(limit)
+            if any(j.payload.get("victim") for j in jobs):
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+            return jobs
+
+        fetcher.claim = claim_reply_lost_with_the_victim  # type: ignore[method-assign]
+        fetcher.wakeup.set()
+        await wait_for(lambda: bool(calls), timeout=10, what="a patched claim")
+        # One statement: the victim (first in claim order) and its mates come due together.
+        victim, *mates = await queue.enqueue_many("fragile", [{"victim": True}, {}, {}, {}])
+        await wait_for(lambda: _is(queue, victim, "failed"), timeout=20, what="victim failed")
+        await wait_for(lambda: sorted(ran) == sorted(mates), timeout=20, what="the mates ran")
+        fetcher.claim = real_claim  # type: ignore[method-assign]
+    for job_id in mates:
+        info = await queue.get(job_id)
+        assert info is not None and info.status == "done" and info.attempts == 1, info

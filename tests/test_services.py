@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import psycopg
 import pytest
-from conftest import wait_for
+from conftest import execute, wait_for
+from psycopg import sql
 
+from asyncjobq import Queue
+from asyncjobq._maintenance.reaper import Reaper
 from asyncjobq._maintenance.services import Service, ServiceRunner
 
 
@@ -50,3 +54,33 @@ async def test_a_turn_raising_cancelled_or_hanging_ends_no_service(
             await task
     assert "cancels turn failed (CancelledError" in caplog.text
     assert "hangs turn failed (the turn took more than 0.5 s and was cancelled)" in caplog.text
+
+
+async def test_a_services_own_connection_serves_one_caller_at_a_time(
+        queue: Queue, pg_dsn: str) -> None:
+    """A reaper turn and a direct reap() share the reaper's connection: one waits for the
+    other, and a direct call cancelled meanwhile does not close it under the turn."""
+    await execute(queue, "INSERT INTO {s}.jobs (task, payload, status, attempts, locked_by,"
+                  " locked_at) SELECT 't', '{{}}', 'running', 1, 'dead',"
+                  " now() - interval '1 hour' FROM generate_series(1, 3000)")
+    reaper = Reaper(queue.database, lease=30, interval=1)
+    async with reaper.held, await psycopg.AsyncConnection.connect(pg_dsn) as blocker, \
+            await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watcher:
+        # The turn's UPDATE waits behind this lock, holding the reaper's connection.
+        await blocker.execute(sql.SQL("LOCK TABLE {}.jobs IN SHARE MODE").format(
+            sql.Identifier(queue.schema)))
+        turn = asyncio.create_task(reaper.reap())
+
+        async def turn_blocked() -> bool:
+            cur = await watcher.execute("SELECT count(*) FROM pg_stat_activity WHERE"
+                                        " wait_event_type = 'Lock' AND application_name"
+                                        " LIKE '%%-reaper'")
+            row = await cur.fetchone()
+            return bool(row and row[0])
+
+        await wait_for(turn_blocked, 10, what="the turn blocked")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reaper.reap(), 0.05)
+        await blocker.commit()
+        assert await asyncio.wait_for(turn, 10) == 3000
+    assert await reaper.reap() == 0

@@ -20,6 +20,7 @@ right one (see sql.Statements._job_claim_update).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -40,6 +41,9 @@ class HeldConnection:
         self._generic_plans = generic_plans
         self._conn: AsyncConnection[Any] | None = None
         self.active = False
+        # One user at a time: a service's turn and a direct call of it (Reaper.reap) would
+        # otherwise share the connection, nest their transactions, or close it under the other.
+        self._lock = asyncio.Lock()
 
     async def __aenter__(self) -> HeldConnection:
         self.active = True
@@ -55,17 +59,18 @@ class HeldConnection:
 
     @asynccontextmanager
     async def use(self) -> AsyncIterator[AsyncConnection[Any]]:
-        if self._conn is not None and (self._conn.closed or self._conn.broken):
-            await self.close()
-        if self._conn is None:
-            self._conn = await self._connect()
-        try:
-            yield self._conn
-        except (psycopg.Error, anyio.get_cancelled_exc_class()):
-            # Whatever state it is in (a statement cut off by a cancel may still be running on
-            # it), do not reuse it.
-            await self.close()
-            raise
+        async with self._lock:
+            if self._conn is not None and (self._conn.closed or self._conn.broken):
+                await self.close()
+            if self._conn is None:
+                self._conn = await self._connect()
+            try:
+                yield self._conn
+            except (psycopg.Error, anyio.get_cancelled_exc_class()):
+                # Whatever state it is in (a statement cut off by a cancel may still be running
+                # on it), do not reuse it.
+                await self.close()
+                raise
 
     async def _connect(self) -> AsyncConnection[Any]:
         q = self._db

@@ -96,6 +96,8 @@ class ServiceRunner:
             await anyio.sleep(delay)
             delay = service.interval
             if service.leader_only and not self._is_leader():
+                if service.held is not None:
+                    await service.held.close()  # a former leader's: reopened if it leads again
                 continue
             try:
                 with anyio.move_on_after(service.timeout) as scope:

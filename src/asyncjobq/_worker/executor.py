@@ -243,6 +243,8 @@ async def _attempt(
             log.warning("job %s (%s) attempt %s: handler raised CancelledError", job.id,
                         job.task, job.attempt)
             return _failure(job, task, "CancelledError raised by the handler")
+        if running.abandoned:
+            raise  # torn down: nothing is written, its row is reaped after the lease
         if current is not None:
             current.uncancel()  # our own cancel, turned into an outcome below
         interrupted = not timed_out

@@ -101,9 +101,14 @@ class Fetcher:
         # table by this worker with no handler. They are released before the next claim.
         self._suspect = False
         self.released = 0
-        # id -> releases in a row: from the LOST_CLAIM_TIMES-th on, a release counts the
-        # attempt (see job_release_lost_claims).
+        # id -> lost replies of one-row claims of it since this worker last received it: from
+        # the LOST_CLAIM_TIMES-th on, each release counts the attempt (job_release_lost_claims).
         self._lost: dict[int, int] = {}
+        # Rows in the claim whose reply was lost last; 1 means the lost reply was that row's.
+        self._lost_limit = 0
+        # Claims left to make one row at a time: after a batch's reply was lost, each of its
+        # rows is claimed alone, so that only the row whose reply cannot arrive is charged.
+        self._narrow = 0
         self.wakeup = Wakeup()
         self.slot_freed = anyio.Event()
         self.stopping = False
@@ -176,7 +181,7 @@ class Fetcher:
         The slots stay reserved until folded_claimed() or folded_failed(); None when nothing
         should be claimed now (stopping, or no free slot).
         """
-        if self.stopping or self._suspect:
+        if self.stopping or self._suspect or self._narrow:
             return None
         limit = min(self._batch_size, self._free())
         if limit <= 0:
@@ -205,6 +210,7 @@ class Fetcher:
     def folded_failed(self, reserved: int) -> None:
         self._reserved -= reserved
         self._suspect = True
+        self._lost_limit = reserved
         self.slot_freed.set()
         self.wakeup.set()
 
@@ -224,12 +230,16 @@ class Fetcher:
             await self._release_lost_claims()
         self._reserved += limit
         try:
-            return await self.claim(limit)
+            jobs = await self.claim(limit)
         except BaseException:
             self._suspect = True
+            self._lost_limit = limit
             raise
         finally:
             self._reserved -= limit
+        if self._narrow:
+            self._narrow -= 1
+        return jobs
 
     async def _release_lost_claims(self, timeout: float | None = None) -> None:
         """Put back rows a lost claim reply left running under this worker, uncounted."""
@@ -242,7 +252,11 @@ class Fetcher:
             await self.wakeup.wait(0.01)
         held = self._held_now()
         st = self._db.sql
-        counted = [i for i, n in self._lost.items() if n + 1 >= LOST_CLAIM_TIMES]
+        # Only a one-row claim's lost reply is that row's doing: rows of a lost batch are
+        # released uncounted and claimed one at a time next.
+        single = self._lost_limit == 1
+        counted = ([i for i, n in self._lost.items() if n + 1 >= LOST_CLAIM_TIMES]
+                   if single else [])
         async with self._held.connection() as conn:
             cur = await conn.execute(st.job_release_lost_claims, {
                 "worker": self._worker_id, "ids": [i for i, _ in held],
@@ -251,12 +265,13 @@ class Fetcher:
             row = await cur.fetchone()
         self._suspect = False
         ids: list[int] = list(row[0]) if row else []
-        for i in ids:
-            self._lost[i] = self._lost.pop(i, 0) + 1  # moved last: the oldest go first below
-        for i in counted:
-            self._lost.pop(i, None)
-        while len(self._lost) > LOST_CLAIM_MEMORY:
-            del self._lost[next(iter(self._lost))]
+        if single or len(ids) == 1:  # a batch that held one row only: that row's too
+            for i in ids:
+                self._lost[i] = self._lost.pop(i, 0) + 1  # moved last: the oldest go first
+            while len(self._lost) > LOST_CLAIM_MEMORY:
+                del self._lost[next(iter(self._lost))]
+        if ids:
+            self._narrow = max(self._narrow, len(ids))
         gone = set(counted)
         uncounted = sum(1 for i in ids if i not in gone)
         if uncounted:
@@ -291,7 +306,7 @@ class Fetcher:
                 await self.slot_freed.wait()
                 self.slot_freed = anyio.Event()
                 continue
-            limit = min(self._batch_size, free)
+            limit = 1 if self._narrow else min(self._batch_size, free)
             try:
                 jobs = await self._claim_reserving(limit)
                 retry.succeeded()
