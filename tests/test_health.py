@@ -354,3 +354,20 @@ async def test_vacuum_can_be_left_to_autovacuum(queue: Queue) -> None:
         assert worker.vacuum is None
     with pytest.raises(ConfigurationError, match="vacuum_interval"):
         Worker(queue, vacuum_interval=-1)
+
+
+async def test_doctor_warns_of_a_paused_queue_with_jobs_and_explains_the_others(
+        queue: Queue) -> None:
+    await queue.enqueue_many("t", [{}] * 5, queue="held")
+    await queue.enqueue_many("t", [{}] * 5, queue="flowing")
+    await queue.pause("held")
+    await queue.pause("empty")
+    report = await diagnose(queue)
+    [paused] = [f for f in report.findings if f.check == "paused queues"]
+    assert paused.level == "warning" and "held (since" in paused.message, paused
+    assert "resume" in paused.advice and "empty" not in paused.message
+    # The paused queue's claim reads nothing, which would look healthy: not explained.
+    assert [c["queue"] for c in report.claims] == ["flowing"]
+    await queue.resume("held")
+    [paused] = [f for f in (await diagnose(queue)).findings if f.check == "paused queues"]
+    assert paused.level == "ok" and "empty" in paused.message

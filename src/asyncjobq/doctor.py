@@ -186,8 +186,25 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
         else:
             report.add("notifications", OK, f"NOTIFY queue {notify_usage:.2%} used")
 
+        paused = {str(q): at for q, at in
+                  await (await conn.execute(st.queue_paused_list)).fetchall()}
         queues = [r[0] for r in await (await conn.execute(st.queue_list_queued)).fetchall()]
-        for name in (queues or ["default"])[:CLAIM_QUEUES_MAX]:
+        held = [q for q in queues if q in paused]
+        if held:
+            report.add("paused queues", WARNING,
+                       "paused with jobs waiting: " + ", ".join(
+                           f"{q} (since {paused[q].isoformat(timespec='seconds')})"
+                           for q in held),
+                       "nothing of theirs is claimed until they are resumed: `python -m "
+                       "asyncjobq resume QUEUE` (or `await queue.resume(name)`) if the pause "
+                       "is over")
+        else:
+            report.add("paused queues", OK, "no paused queue has jobs waiting" if not paused
+                       else f"paused, no jobs waiting: {', '.join(sorted(paused))}")
+        # A paused queue's claim reads nothing (its probe ends it), which says nothing of its
+        # index: explain the claims of the queues that run.
+        running = [q for q in queues if q not in paused]
+        for name in (running or ["default"])[:CLAIM_QUEUES_MAX]:
             report.claims.append(await explain_claim(conn, st, name))
     for claim in report.claims:
         _check_claim(report, qs, claim, live_rows.get("jobs", 0))
