@@ -9,6 +9,7 @@ import socket
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -301,13 +302,15 @@ def test_the_examples_dashboard_and_alerts_use_metrics_that_exist(queue: Queue) 
 
     c = metrics.collector(queue)
     # Every series a scrape can show, histograms' _bucket/_count/_sum and counters' _total.
-    c.finished.labels("q", "t", "done").inc()
-    c.duration.labels("q", "t").observe(1)
-    c.pickup.labels("q").observe(1)
-    c.claimed.labels("q").inc()
-    c.running.labels("q").set(0)
-    c.depth.labels("q", "queued").set(0)
-    c.flush.observe(0.1)
+    now = datetime.now(UTC)
+    job = Job(id=1, task="t", queue="q", payload={}, attempt=1, max_attempts=3, priority=0,
+              run_at=now, created_at=now, worker="w")
+    c.on_claimed([job])
+    c.on_started(job)
+    c.on_finished(job, "done", 1.0)
+    c.set_depth({"q": {"queued": 0}})
+    c.observe_flush(0.1)
+    c.observe_reaped([("q", "t", "failed")])
     exported = {s.name for family in c.collect() for s in family.samples}
     folder = Path(__file__).parent.parent / "examples" / "observability"
     for name in ("grafana-dashboard.json", "alerts.yml"):
@@ -342,9 +345,10 @@ async def test_a_slow_hook_neither_delays_nor_drops_the_counts(queue: Queue) -> 
     async with running(Worker(queue, poll_interval=0.1)):
         await wait_for(lambda: _status(queue, job_id, "done"), 20, what="the job done")
         # The hooks' timeout is 10 s: counted through the hook pipeline, it would wait so long.
-        await wait_for(lambda: c.finished.labels("default", "t", "done")._value.get() == 1,
+        await wait_for(lambda: c.value("asyncjobq_jobs_finished_total", queue="default",
+                                       task="t", outcome="done") == 1,
                        3, what="the finish counted while the slow hook still runs")
-        assert c.running.labels("default")._value.get() == 0
+        assert c.value("asyncjobq_running_jobs", queue="default") == 0
 
 
 async def _status(queue: Queue, job_id: int, status: str) -> bool:
@@ -362,9 +366,10 @@ async def test_jobs_the_reaper_takes_back_are_counted(queue: Queue) -> None:
                        " 'running', %s, 3, 'dead', now() - interval '1 hour') RETURNING id",
                        attempts)
     async with running(Worker(queue, poll_interval=0.1, reap_interval=0.1)):
-        await wait_for(lambda: c.reaped.labels("elsewhere", "gone", "failed")._value.get() == 1
-                       and c.reaped.labels("elsewhere", "gone", "requeued")._value.get() == 1,
-                       20, what="both reaped jobs counted")
+        await wait_for(lambda: all(
+            c.value("asyncjobq_jobs_reaped_total", queue="elsewhere", task="gone",
+                    result=result) == 1 for result in ("failed", "requeued")),
+            20, what="both reaped jobs counted")
 
 
 async def test_the_depth_of_a_stopped_worker_is_not_left_behind(queue: Queue) -> None:

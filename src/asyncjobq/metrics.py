@@ -17,10 +17,12 @@ Labels are bounded: queue, task and outcome names, never job ids or error texts.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError, ExtraNotInstalledError, MetricsPortInUseError
 from .hooks import Finished, Hooks
@@ -45,100 +47,149 @@ FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 _collectors: weakref.WeakKeyDictionary[Hooks, QueueCollector] = weakref.WeakKeyDictionary()
 
 
+class _Histogram:
+    """Bucket counts and a sum, kept as plain numbers: observing is a bisect and two adds."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative (le, count) pairs, as the exposition format has them (repr() writes
+        these bounds as Go does, which Prometheus expects: "0.005", "1.0", "+Inf")."""
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, math.inf), tuple(self.counts), strict=True):
+            total += n
+            out.append(("+Inf" if bound == math.inf else repr(float(bound)), float(total)))
+        return out
+
+
 class QueueCollector:
     """The metrics of one Queue, a prometheus_client collector (it has `collect()`).
 
-    Its `on_*` methods are the queue's hooks; the worker feeds it the outcome flushes, the
-    sampled depth and whether it leads."""
+    Its `on_*` methods observe the queue's events (hooks.py, inline); the worker feeds it the
+    outcome flushes, the reaped jobs, the sampled depth and whether it leads. The counts are
+    plain numbers, turned into metric families only when scraped: prometheus_client's own
+    Counter and Histogram take a lock per update and cost about 5 us per job between them,
+    a tenth of a zero-work job's time in the worker (benchmarks/metrics_ab.py). The loop
+    writes them, a scrape reads copies of them; either can only see a count one update old.
+    """
 
     def __init__(self) -> None:
         try:
-            from prometheus_client import Counter, Gauge, Histogram
+            import prometheus_client  # noqa: F401  (the families are built from it at scrape)
         except ImportError:
             raise ExtraNotInstalledError(_INSTALL) from None
-        # registry=None: these live in this collector, which any registry (ours or the
-        # app's) can hold.
-        self.finished = Counter(
-            "asyncjobq_jobs_finished", "Attempts finished, by outcome (a failed attempt with "
-            "retries left is 'retry').", ["queue", "task", "outcome"], registry=None)
-        self.duration = Histogram(
-            "asyncjobq_job_duration_seconds", "Handler time of each attempt.",
-            ["queue", "task"], buckets=DURATION_BUCKETS, registry=None)
-        self.pickup = Histogram(
-            "asyncjobq_job_pickup_seconds", "From the job's run_at to its handler's start.",
-            ["queue"], buckets=PICKUP_BUCKETS, registry=None)
-        self.claimed = Counter(
-            "asyncjobq_jobs_claimed", "Jobs claimed by this process's workers.", ["queue"],
-            registry=None)
-        self.running = Gauge(
-            "asyncjobq_running_jobs", "Handlers running in this process.", ["queue"],
-            registry=None)
-        self.depth = Gauge(
-            "asyncjobq_queue_jobs", "Jobs by queue and status, sampled from the database by "
-            "the leader.", ["queue", "status"], registry=None)
-        self.flush = Histogram(
-            "asyncjobq_outcome_flush_seconds", "Time of each outcome-writing statement.",
-            buckets=FLUSH_BUCKETS, registry=None)
-        self.leader = Gauge(
-            "asyncjobq_leader", "1 when a worker of this process leads its schema.",
-            registry=None)
-        self.leader.set_function(self._leads)
-        self.reaped = Counter(
-            "asyncjobq_jobs_reaped", "Running jobs of dead workers taken back by the leader's "
-            "reaper: requeued, or failed with their attempts spent.",
-            ["queue", "task", "result"], registry=None)
-        self.sampled_at = Gauge(
-            "asyncjobq_queue_jobs_sampled_timestamp_seconds", "When asyncjobq_queue_jobs was "
-            "last sampled (Unix time): a value that stops moving means stale depths.",
-            registry=None)
-        self._metrics = (self.finished, self.duration, self.pickup, self.claimed, self.running,
-                         self.depth, self.flush, self.leader, self.reaped, self.sampled_at)
+        self._finished: dict[tuple[str, str, str], int] = {}
+        self._duration: dict[tuple[str, str], _Histogram] = {}
+        self._pickup: dict[str, _Histogram] = {}
+        self._claimed: dict[str, int] = {}
+        self._running: dict[str, int] = {}
+        self._reaped: dict[tuple[str, str, str], int] = {}
+        self._flush = _Histogram(FLUSH_BUCKETS)
+        self._depth: dict[tuple[str, str], int] = {}
+        self._sampled_at = 0.0
         # (id, attempt) of the jobs whose start was counted: a finish without a counted start
         # (an unknown task, a job cancelled before it started) must not push the gauge below 0.
         self._started: set[tuple[int, int]] = set()
         self._leaders: dict[str, Callable[[], bool]] = {}
-        self._queue_children: dict[str, tuple[Any, Any]] = {}
-        self._task_children: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
-        self._sampled: set[tuple[str, str]] = set()
 
     # --- prometheus_client's collector interface ----------------------------------------
 
     def collect(self) -> Iterator[Metric]:
-        for m in self._metrics:
-            yield from m.collect()
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        finished = CounterMetricFamily(
+            "asyncjobq_jobs_finished", "Attempts finished, by outcome (a failed attempt with "
+            "retries left is 'retry').", labels=["queue", "task", "outcome"])
+        for labels, n in dict(self._finished).items():
+            finished.add_metric(labels, n)
+        yield finished
+        duration = HistogramMetricFamily(
+            "asyncjobq_job_duration_seconds", "Handler time of each attempt.",
+            labels=["queue", "task"])
+        for (q, task), h in dict(self._duration).items():
+            duration.add_metric([q, task], h.buckets(), h.sum)
+        yield duration
+        pickup = HistogramMetricFamily(
+            "asyncjobq_job_pickup_seconds", "From the job's run_at to its handler's start.",
+            labels=["queue"])
+        for q, h in dict(self._pickup).items():
+            pickup.add_metric([q], h.buckets(), h.sum)
+        yield pickup
+        claimed = CounterMetricFamily(
+            "asyncjobq_jobs_claimed", "Jobs claimed by this process's workers.",
+            labels=["queue"])
+        for q, n in dict(self._claimed).items():
+            claimed.add_metric([q], n)
+        yield claimed
+        running = GaugeMetricFamily(
+            "asyncjobq_running_jobs", "Handlers running in this process.", labels=["queue"])
+        for q, n in dict(self._running).items():
+            running.add_metric([q], n)
+        yield running
+        depth = GaugeMetricFamily(
+            "asyncjobq_queue_jobs", "Jobs by queue and status, sampled from the database by "
+            "the leader.", labels=["queue", "status"])
+        for (q, status), n in dict(self._depth).items():
+            depth.add_metric([q, status], n)
+        yield depth
+        yield GaugeMetricFamily(
+            "asyncjobq_queue_jobs_sampled_timestamp_seconds", "When asyncjobq_queue_jobs was "
+            "last sampled (Unix time): a value that stops moving means stale depths.",
+            value=self._sampled_at)
+        flush = HistogramMetricFamily(
+            "asyncjobq_outcome_flush_seconds", "Time of each outcome-writing statement.")
+        flush.add_metric([], self._flush.buckets(), self._flush.sum)
+        yield flush
+        yield GaugeMetricFamily(
+            "asyncjobq_leader", "1 when a worker of this process leads its schema.",
+            value=self._leads())
+        reaped = CounterMetricFamily(
+            "asyncjobq_jobs_reaped", "Running jobs of dead workers taken back by the leader's "
+            "reaper: requeued, or failed with their attempts spent.",
+            labels=["queue", "task", "result"])
+        for labels, n in dict(self._reaped).items():
+            reaped.add_metric(labels, n)
+        yield reaped
 
     def describe(self) -> Iterable[Metric]:
-        for m in self._metrics:
-            yield from m.describe()
+        return self.collect()
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample of a scrape, 0 when absent (tests, health checks of your own)."""
+        want = set(labels.items())
+        for family in self.collect():
+            for sample in family.samples:
+                if sample.name == name and set(sample.labels.items()) == want:
+                    return float(sample.value)
+        return 0.0
 
     # --- observed events (hooks.py: plain methods, called inline) ----------------------------
 
     def on_claimed(self, jobs: list[Job]) -> None:
-        by_queue: dict[str, int] = {}
+        claimed = self._claimed
         for job in jobs:
-            by_queue[job.queue] = by_queue.get(job.queue, 0) + 1
-        for q, n in by_queue.items():
-            self.claimed.labels(q).inc(n)
-
-    # labels() takes a lock and builds a key on every call: the children of each queue (and
-    # queue and task) are looked up once and kept, which halves the collector's cost per job.
-    def _of_queue(self, queue: str) -> tuple[Any, Any]:
-        found = self._queue_children.get(queue)
-        if found is None:
-            found = self._queue_children[queue] = (self.running.labels(queue),
-                                                   self.pickup.labels(queue))
-        return found
-
-    def _of_task(self, queue: str, task: str) -> tuple[Any, dict[str, Any]]:
-        found = self._task_children.get((queue, task))
-        if found is None:
-            found = self._task_children[queue, task] = (self.duration.labels(queue, task), {})
-        return found
+            claimed[job.queue] = claimed.get(job.queue, 0) + 1
 
     def on_started(self, job: Job) -> None:
         self._started.add((job.id, job.attempt))
-        running, pickup = self._of_queue(job.queue)
-        running.inc()
+        q = job.queue
+        self._running[q] = self._running.get(q, 0) + 1
+        pickup = self._pickup.get(q)
+        if pickup is None:
+            pickup = self._pickup[q] = _Histogram(PICKUP_BUCKETS)
         # run_at is the server's clock: a worker's clock a little behind must not observe < 0.
         pickup.observe(max(0.0, time.time() - job.run_at.timestamp()))
 
@@ -146,41 +197,36 @@ class QueueCollector:
         key = (job.id, job.attempt)
         if key in self._started:
             self._started.discard(key)
-            self._of_queue(job.queue)[0].dec()
-        took, finished = self._of_task(job.queue, job.task)
-        counter = finished.get(outcome)
-        if counter is None:
-            counter = finished[outcome] = self.finished.labels(job.queue, job.task, outcome)
-        counter.inc()
+            self._running[job.queue] -= 1
+        labels = (job.queue, job.task, outcome)
+        self._finished[labels] = self._finished.get(labels, 0) + 1
+        pair = (job.queue, job.task)
+        took = self._duration.get(pair)
+        if took is None:
+            took = self._duration[pair] = _Histogram(DURATION_BUCKETS)
         took.observe(duration)
 
     # --- fed by the worker ----------------------------------------------------------------
 
     def observe_flush(self, seconds: float) -> None:
-        self.flush.observe(seconds)
+        self._flush.observe(seconds)
 
     def observe_reaped(self, rows: list[tuple[str, str, str]]) -> None:
         """(queue, task, status after the reaper: queued or failed) of each job taken back."""
         for queue, task, status in rows:
-            self.reaped.labels(queue, task, "requeued" if status == "queued" else status).inc()
+            labels = (queue, task, "requeued" if status == "queued" else status)
+            self._reaped[labels] = self._reaped.get(labels, 0) + 1
 
     def set_depth(self, counts: dict[str, dict[str, int]]) -> None:
-        seen = set()
-        for q, statuses in counts.items():
-            for status, n in statuses.items():
-                self.depth.labels(q, status).set(n)
-                seen.add((q, status))
-        # A queue gone from the database (its jobs pruned) stops being exported.
-        for q, status in self._sampled - seen:
-            self.depth.remove(q, status)
-        self._sampled = seen
-        self.sampled_at.set_to_current_time()
+        # Replaced whole: a queue gone from the database (its jobs pruned) stops being exported.
+        self._depth = {(q, status): n for q, statuses in counts.items()
+                       for status, n in statuses.items()}
+        self._sampled_at = time.time()
 
     def clear_depth(self) -> None:
         """No longer the leader: another process samples now, stale values would mislead."""
-        self.depth.clear()
-        self._sampled = set()
-        self.sampled_at.set(0)
+        self._depth = {}
+        self._sampled_at = 0.0
 
     def add_worker(self, worker_id: str, is_leader: Callable[[], bool]) -> None:
         self._leaders[worker_id] = is_leader
