@@ -505,6 +505,10 @@ async def test_least_privilege_roles_from_the_readme(pg_dsn: str, schema: str,
         assert await wq.retry_failed(queue="roles") == 1
         assert await wq.cancel(in_tx)
         assert (await wq.stats())["roles"]["cancelled"] == 1
+        # Pause and resume as the worker role: its grants, and pg_locks readable by any role.
+        assert await wq.pause("roles") is True
+        assert list(await wq.paused()) == ["roles"]
+        assert await wq.resume("roles") is True
         with pytest.raises(asyncjobq.AsyncJobQError, match=r"may not install.*owner"):
             await wq.install()
         async with wq.connection() as conn:
