@@ -22,7 +22,7 @@ import time
 import weakref
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError, ExtraNotInstalledError, MetricsPortInUseError
 from .hooks import Finished, Hooks
@@ -110,59 +110,48 @@ class QueueCollector:
             HistogramMetricFamily,
         )
 
-        finished = CounterMetricFamily(
-            "asyncjobq_jobs_finished", "Attempts finished, by outcome (a failed attempt with "
-            "retries left is 'retry').", labels=["queue", "task", "outcome"])
-        for labels, n in dict(self._finished).items():
-            finished.add_metric(labels, n)
-        yield finished
-        duration = HistogramMetricFamily(
-            "asyncjobq_job_duration_seconds", "Handler time of each attempt.",
-            labels=["queue", "task"])
-        for (q, task), h in dict(self._duration).items():
-            duration.add_metric([q, task], h.buckets(), h.sum)
-        yield duration
-        pickup = HistogramMetricFamily(
-            "asyncjobq_job_pickup_seconds", "From the job's run_at to its handler's start.",
-            labels=["queue"])
-        for q, h in dict(self._pickup).items():
-            pickup.add_metric([q], h.buckets(), h.sum)
-        yield pickup
-        claimed = CounterMetricFamily(
-            "asyncjobq_jobs_claimed", "Jobs claimed by this process's workers.",
-            labels=["queue"])
-        for q, n in dict(self._claimed).items():
-            claimed.add_metric([q], n)
-        yield claimed
-        running = GaugeMetricFamily(
-            "asyncjobq_running_jobs", "Handlers running in this process.", labels=["queue"])
-        for q, n in dict(self._running).items():
-            running.add_metric([q], n)
-        yield running
-        depth = GaugeMetricFamily(
-            "asyncjobq_queue_jobs", "Jobs by queue and status, sampled from the database by "
-            "the leader.", labels=["queue", "status"])
-        for (q, status), n in dict(self._depth).items():
-            depth.add_metric([q, status], n)
-        yield depth
+        # dict(): a copy taken at once, while the loop may add a label set meanwhile.
+        counts: tuple[tuple[Callable[..., CounterMetricFamily | GaugeMetricFamily], str, str,
+                            list[str], dict[Any, int]], ...] = (
+            (CounterMetricFamily, "asyncjobq_jobs_finished", "Attempts finished, by outcome "
+             "(a failed attempt with retries left is 'retry').", ["queue", "task", "outcome"],
+             dict(self._finished)),
+            (CounterMetricFamily, "asyncjobq_jobs_claimed",
+             "Jobs claimed by this process's workers.", ["queue"],
+             {(q,): n for q, n in dict(self._claimed).items()}),
+            (GaugeMetricFamily, "asyncjobq_running_jobs", "Handlers running in this process.",
+             ["queue"], {(q,): n for q, n in dict(self._running).items()}),
+            (GaugeMetricFamily, "asyncjobq_queue_jobs", "Jobs by queue and status, sampled "
+             "from the database by the leader.", ["queue", "status"], self._depth),
+            (CounterMetricFamily, "asyncjobq_jobs_reaped", "Running jobs of dead workers taken "
+             "back by the leader's reaper: requeued, or failed with their attempts spent.",
+             ["queue", "task", "result"], dict(self._reaped)),
+        )
+        for kind, name, doc, labels, values in counts:
+            family = kind(name, doc, labels=labels)
+            for key, n in values.items():
+                family.add_metric(list(key), n)
+            yield family
+        histograms: tuple[tuple[str, str, list[str], dict[Any, _Histogram]], ...] = (
+            ("asyncjobq_job_duration_seconds", "Handler time of each attempt.",
+             ["queue", "task"], dict(self._duration)),
+            ("asyncjobq_job_pickup_seconds", "From the job's run_at to its handler's start.",
+             ["queue"], {(q,): h for q, h in dict(self._pickup).items()}),
+            ("asyncjobq_outcome_flush_seconds", "Time of each outcome-writing statement.", [],
+             {(): self._flush}),
+        )
+        for name, doc, labels, hists in histograms:
+            hist = HistogramMetricFamily(name, doc, labels=labels)
+            for key, h in hists.items():
+                hist.add_metric(list(key), h.buckets(), h.sum)
+            yield hist
         yield GaugeMetricFamily(
             "asyncjobq_queue_jobs_sampled_timestamp_seconds", "When asyncjobq_queue_jobs was "
             "last sampled (Unix time): a value that stops moving means stale depths.",
             value=self._sampled_at)
-        flush = HistogramMetricFamily(
-            "asyncjobq_outcome_flush_seconds", "Time of each outcome-writing statement.")
-        flush.add_metric([], self._flush.buckets(), self._flush.sum)
-        yield flush
         yield GaugeMetricFamily(
             "asyncjobq_leader", "1 when a worker of this process leads its schema.",
             value=self._leads())
-        reaped = CounterMetricFamily(
-            "asyncjobq_jobs_reaped", "Running jobs of dead workers taken back by the leader's "
-            "reaper: requeued, or failed with their attempts spent.",
-            labels=["queue", "task", "result"])
-        for labels, n in dict(self._reaped).items():
-            reaped.add_metric(labels, n)
-        yield reaped
 
     def describe(self) -> Iterable[Metric]:
         return self.collect()

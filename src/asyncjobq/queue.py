@@ -203,7 +203,7 @@ class Queue:
                 with an empty payload; e.g. "0 3 * * *".
             timezone: the IANA timezone `cron` is read in.
         """
-        _check_queue_name(queue)
+        check_queue_name(queue)
         _check_max_attempts(max_attempts)
         _check_int("priority", priority)
         if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
@@ -289,7 +289,7 @@ class Queue:
         _check_name("schedule name", schedule_name, "nightly-report")
         body = _encode_payload(payload)
         if queue is not None:
-            _check_queue_name(queue)
+            check_queue_name(queue)
         if priority is not None:
             _check_int("priority", priority)
         if max_attempts is not None:
@@ -593,7 +593,7 @@ class Queue:
         q = queue if queue is not None else (t.queue if t else "default")
         prio = priority if priority is not None else (t.priority if t else 0)
         attempts = max_attempts if max_attempts is not None else (t.max_attempts if t else 3)
-        _check_queue_name(q)
+        check_queue_name(q)
         _check_int("priority", prio)
         _check_max_attempts(attempts)
         return name, q, prio, attempts
@@ -678,7 +678,7 @@ class Queue:
         dead-lettered jobs that failed more than `older_than` ago (that needs `older_than`).
         """
         if queue is not None:
-            _check_queue_name(queue)
+            check_queue_name(queue)
         age = seconds("older_than", older_than)
         if failed and age is None:
             raise ConfigurationError(
@@ -706,18 +706,16 @@ class Queue:
         to PAUSE_SETTLE seconds, then logs a warning) until they have committed, so no job of
         the queue is claimed after it returns. Cancelled while waiting, the pause stands.
         Workers of a version before schema 6 do not know pauses: upgrade them all first."""
-        _check_queue_name(queue)
-        table = f'"{self.schema}".paused_queues'
+        check_queue_name(queue)
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.queue_pause, {"queue": queue})
             row = await cur.fetchone()
-            cur = await c.execute(self.sql.paused_queues_lockers, {"table": table})
+            cur = await c.execute(self.sql.paused_queues_lockers)
             found = await cur.fetchone()
             vxids = list(found[0]) if found else []
             deadline = time.monotonic() + PAUSE_SETTLE
             while vxids:
-                cur = await c.execute(self.sql.paused_queues_lockers_left,
-                                      {"table": table, "vxids": vxids})
+                cur = await c.execute(self.sql.paused_queues_lockers_left, {"vxids": vxids})
                 left = await cur.fetchone()
                 if not left or not left[0]:
                     break
@@ -732,7 +730,7 @@ class Queue:
     async def resume(self, queue: str) -> bool:
         """Let workers claim `queue`'s jobs again (they are woken at once); returns False when
         it was not paused."""
-        _check_queue_name(queue)
+        check_queue_name(queue)
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.queue_resume,
                                   {"queue": queue, "channel": self.channel})
@@ -900,9 +898,6 @@ def _check_name(what: str, value: object, example: str) -> None:
 def check_queue_name(value: object) -> None:
     """ConfigurationError naming the rule unless `value` can be a queue's name."""
     _check_name("queue", value, "default")
-
-
-_check_queue_name = check_queue_name
 
 
 def _check_task_name(value: object) -> None:

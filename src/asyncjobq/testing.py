@@ -35,7 +35,7 @@ from ._db.dsn import check_dsn
 from ._worker.executor import RunningJob, execute, finished
 from ._worker.outcome import Outcome as _Outcome
 from ._worker.threads import ThreadRunner
-from .errors import AsyncJobQError, ConfigurationError, InvalidPayloadError, a_or_an
+from .errors import AsyncJobQError, ConfigurationError, a_or_an
 from .hooks import CallNext
 from .job import Job, JobInfo
 from .queue import Queue, _encode_payload
@@ -234,7 +234,7 @@ async def _matching(q: Queue, what: str, task: str | Task, payload: Mapping[str,
     _check_queue(q, what)
     name = _task_name(task, required=True)
     assert name is not None
-    wanted = _as_json(_check_payload(payload), "payload")
+    wanted = _as_json(_check_payload(payload))
     _check_optional_str("queue", queue)
     found = await enqueued(q, queue=None, conn=conn)
     return found, [j for j in found if _matches(j, name, wanted, queue)], name, wanted
@@ -268,15 +268,10 @@ def _contains(stored: object, wanted: object) -> bool:
 _NUMBERS = (int, float)
 
 
-def _as_json(payload: Mapping[str, Any], what: str) -> dict[str, Any]:
-    """`payload` as a job would carry it: through JSON (tuples become lists, keys strings)."""
-    try:
-        body = json.dumps(dict(payload), allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise InvalidPayloadError(
-            f"{what} is not JSON-serialisable ({e}): a job's payload is stored as JSON; pass "
-            "only dicts, lists, str, int, finite float, bool and None") from None
-    decoded: dict[str, Any] = json.loads(body)
+def _as_json(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """`payload` as a job would carry it: through enqueue's own encoder (its refusals
+    included) and back, so tuples become lists and keys strings."""
+    decoded: dict[str, Any] = json.loads(_encode_payload(dict(payload)))
     return decoded
 
 
@@ -337,7 +332,7 @@ async def perform(q: Queue, task: str | Task, payload: Mapping[str, Any] | None 
             "pass the Task object, or register the handler with @queue.task()")
     # What a worker would hand the handler: the payload through enqueue's own encoder (its
     # refusals included) and back, never the caller's objects.
-    body = json.loads(_encode_payload(dict(_check_payload(payload))))
+    body = _as_json(_check_payload(payload))
     if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
         raise ConfigurationError(f"attempt={attempt!r}: use 1 (the first) or more")
     now = datetime.now(UTC)

@@ -41,7 +41,7 @@ from ._worker.outcome import Outcome
 from ._worker.threads import ThreadRunner
 from .errors import ConfigurationError, reason
 from .job import Job
-from .queue import Queue, _check_name, _check_queue_name
+from .queue import Queue, _check_name, check_queue_name
 
 log = logging.getLogger("asyncjobq.worker")
 
@@ -127,7 +127,7 @@ class Worker:
             raise ConfigurationError(
                 "queues is empty: use at least one queue name, e.g. queues=('default',)")
         for q in queues:
-            _check_queue_name(q)
+            check_queue_name(q)
         _positive("concurrency", concurrency, integer=True)
         if batch_size is None:
             batch_size = default_batch_size(concurrency)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from .._db.heldconn import HeldConnection
 from .services import Service
 
 if TYPE_CHECKING:
@@ -45,8 +44,7 @@ class Elector(Service):
         self.max_backoff = self.interval
         self._on_change = on_change
         # Its own connection: handlers holding every pooled one must not cost the lease.
-        self._conn = HeldConnection(db, "leader", generic_plans=False)
-        self.held = self._conn
+        self._conn = self.own_connection(db, "leader")
         self._valid_until = 0.0  # monotonic; leader while now is before it
         # A turn ended without its reply: it may have written the row all the same.
         self._unsure = False

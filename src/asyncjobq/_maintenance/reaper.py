@@ -10,7 +10,6 @@ import logging
 from collections.abc import Callable
 
 from .._db.database import Database
-from .._db.heldconn import HeldConnection
 from ..hooks import Hooks
 from .services import Service
 
@@ -33,8 +32,7 @@ class Reaper(Service):
         self.interval = interval
         self._hooks = hooks
         # Its own connection: handlers holding every pooled one must not stall reaping.
-        self._conn = HeldConnection(db, "reaper", generic_plans=False)
-        self.held = self._conn
+        self._conn = self.own_connection(db, "reaper")
         # Told (queue, task, new status) of each job taken back (the metrics' reaped count).
         self._observe = observe
         self.reaped = 0

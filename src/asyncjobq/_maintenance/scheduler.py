@@ -36,7 +36,6 @@ import anyio.lowlevel
 import psycopg
 
 from .._db.database import Database
-from .._db.heldconn import HeldConnection
 from .periodic import Schedule
 from .services import Service
 
@@ -73,8 +72,7 @@ class Scheduler(Service):
                  ahead: float = AHEAD) -> None:
         self._db = db
         # Its own connection: handlers holding every pooled one must not make ticks late.
-        self._conn = HeldConnection(db, "scheduler", generic_plans=False)
-        self.held = self._conn
+        self._conn = self.own_connection(db, "scheduler")
         self.schedules = list(schedules)
         # What each schedule's jobs carry, decoded once: the turn sends it back as JSON.
         self._specs = {s.name: [s.name, s.task, json.loads(s.payload), s.queue, s.priority,

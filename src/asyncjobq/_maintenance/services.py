@@ -22,6 +22,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from .._db import retrying
+from .._db.database import Database
 from .._db.heldconn import HeldConnection
 from ..errors import reason
 
@@ -51,6 +52,12 @@ class Service:
 
     async def turn(self) -> object:
         raise NotImplementedError
+
+    def own_connection(self, db: Database, role: str) -> HeldConnection:
+        """Give the service a connection of its own (`held`), for its statements to use; it
+        plans them as the pool's connections do."""
+        held = self.held = HeldConnection(db, role, generic_plans=False)
+        return held
 
 
 class ServiceRunner:

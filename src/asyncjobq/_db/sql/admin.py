@@ -192,19 +192,19 @@ class AdminStatements(Role):
     # pg_locks, not pg_stat_activity: any role may read it, whatever the application name.
     @property
     def paused_queues_lockers(self) -> sql.Composed:
-        return _q(
+        return self._on_paused_queues(
             "SELECT coalesce(array_agg(DISTINCT virtualtransaction), '{{}}') FROM pg_locks"
-            " WHERE relation = to_regclass(%(table)s) AND pid <> pg_backend_pid()",
-            self.schema,
-        )
+            " WHERE relation = {t} AND pid <> pg_backend_pid()")
 
     @property
     def paused_queues_lockers_left(self) -> sql.Composed:
-        return _q(
-            "SELECT count(*) FROM pg_locks WHERE relation = to_regclass(%(table)s)"
-            " AND virtualtransaction = ANY(%(vxids)s::text[])",
-            self.schema,
-        )
+        return self._on_paused_queues(
+            "SELECT count(*) FROM pg_locks WHERE relation = {t}"
+            " AND virtualtransaction = ANY(%(vxids)s::text[])")
+
+    def _on_paused_queues(self, template: str) -> sql.Composed:
+        table = sql.Identifier(self.schema, "paused_queues").as_string(None)
+        return sql.SQL(template).format(t=sql.SQL("{}::regclass").format(sql.Literal(table)))
 
     @property
     def queue_paused_list(self) -> sql.Composed:
