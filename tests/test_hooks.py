@@ -381,7 +381,9 @@ async def test_observers_are_plain_methods_called_inline_and_their_errors_logged
             seen.append(outcome)
             raise RuntimeError("observer bug")
 
-    queue.hooks.add_observer(Counting())
+    counting = Counting()
+    queue.hooks.add_observer(counting)
+    queue.hooks.add_observer(counting)  # registered once, not counted twice
 
     @queue.task(name="t")
     async def t(job: Job) -> None:

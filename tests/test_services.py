@@ -84,3 +84,24 @@ async def test_a_services_own_connection_serves_one_caller_at_a_time(
         await blocker.commit()
         assert await asyncio.wait_for(turn, 10) == 3000
     assert await reaper.reap() == 0
+
+
+async def test_closing_a_services_connection_waits_for_its_user(queue: Queue) -> None:
+    """A worker that stops leading closes its reaper's connection: not under a direct call
+    that is using it."""
+    reaper = Reaper(queue.database, lease=30, interval=1)
+    assert reaper.held is not None
+    async with reaper.held:
+        async def long_statement() -> object:
+            assert reaper.held is not None
+            async with reaper.held.connection() as conn:
+                started.set()
+                cur = await conn.execute("SELECT pg_sleep(0.3), 1")
+                return await cur.fetchone()
+
+        started = asyncio.Event()
+        user = asyncio.create_task(long_statement())
+        await asyncio.wait_for(started.wait(), 10)
+        await reaper.held.close()
+        assert user.done()
+        assert await user == ("", 1)

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -566,14 +566,24 @@ async def test_what_a_test_registers_on_the_queue_is_gone_after_its_block(pg_dsn
         assert await perform(q, a.welcome, {"to": "b@example.com"}) == "sent to b@example.com"
 
 
-async def test_the_test_schema_goes_before_the_dsns_own_search_path(pg_dsn: str) -> None:
-    own = f"app_{os.getpid()}"
+@asynccontextmanager
+async def _apps_own_schema(pg_dsn: str, name: str) -> AsyncIterator[str]:
+    """A schema of the app's own holding its `orders` table; yields a DSN whose search_path
+    is that schema, as an app's DSN (or role setting) would have it."""
     async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as c:
-        await c.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(own)))
+        await c.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(name)))
         await c.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {}.orders (id int)")
-                        .format(sql.Identifier(own)))
+                        .format(sql.Identifier(name)))
     try:
-        dsn = psycopg.conninfo.make_conninfo(pg_dsn, options=f"-c search_path={own}")
+        quoted = sql.Identifier(name).as_string(None).replace(" ", "\\ ")
+        yield psycopg.conninfo.make_conninfo(pg_dsn, options=f"-c search_path={quoted}")
+    finally:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as c:
+            await c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+async def test_the_test_schema_goes_before_the_dsns_own_search_path(pg_dsn: str) -> None:
+    async with _apps_own_schema(pg_dsn, f"app_{os.getpid()}") as dsn:
         a = make_app()
         async with isolated(a.queue, dsn=dsn) as q, q.connection() as conn:
             cur = await conn.execute("SELECT count(*) FROM orders")  # the app's own table
@@ -581,9 +591,6 @@ async def test_the_test_schema_goes_before_the_dsns_own_search_path(pg_dsn: str)
             cur = await conn.execute("SHOW search_path")
             row = await cur.fetchone()
             assert row is not None and row[0].split(",")[0] == q.schema
-    finally:
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as c:
-            await c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(own)))
 
 
 async def test_a_schema_that_cannot_be_dropped_is_an_error_naming_the_fix(pg_dsn: str) -> None:
@@ -611,3 +618,37 @@ async def test_drain_until_in_the_past_still_runs_what_is_due(app: App) -> None:
     await app.welcome.enqueue({"to": "now@example.com"})
     counts = await drain(app.queue, until=datetime.now(UTC) - timedelta(days=1))
     assert counts["done"] == 1
+
+
+async def test_a_timeout_landing_in_the_cleanup_still_restores_the_queue(pg_dsn: str) -> None:
+    """A per-test timeout that fires while isolated() closes the queue (here: waiting for a
+    slow on_enqueued hook) must not leave the queue open on the test schema, which every
+    later isolated() of the session would refuse."""
+    a = make_app()
+
+    class SlowHook:
+        async def on_enqueued(self, **kw: Any) -> None:
+            await asyncio.sleep(3)
+
+    async def test_body() -> None:
+        async with isolated(a.queue, dsn=pg_dsn) as q:
+            q.add_hook(SlowHook())
+            await a.welcome.enqueue({"to": "x@example.com"})
+            raise RuntimeError("the test's own failure")
+
+    with pytest.raises((TimeoutError, RuntimeError)):
+        await asyncio.wait_for(test_body(), timeout=0.5)
+    assert not a.queue.database.is_open
+    assert a.queue.schema == "app_never_used" and not a.queue.hooks.on_enqueued
+    async with isolated(a.queue, dsn=pg_dsn) as q:  # the next test's block works
+        await a.welcome.enqueue({"to": "y@example.com"})
+        await assert_enqueued(q, a.welcome, {"to": "y@example.com"})
+
+
+async def test_a_quoted_schema_with_a_comma_in_the_dsns_search_path_is_kept(
+        pg_dsn: str) -> None:
+    async with _apps_own_schema(pg_dsn, f"app, {os.getpid()}") as dsn:
+        a = make_app()
+        async with isolated(a.queue, dsn=dsn) as q, q.connection() as conn:
+            cur = await conn.execute("SELECT count(*) FROM orders")  # found in "app, <pid>"
+            assert await cur.fetchone() == (0,)

@@ -81,6 +81,9 @@ class Hooks:
         # event -> observers' methods, called inline; also in the event's list above, so that
         # the worker's `if hooks.on_finished:` sees them.
         self._inline: dict[str, list[Callable[..., object]]] = {}
+        # The Hooks a copy() was made from (itself when none): what stays the same queue's
+        # hooks across asyncjobq.testing's blocks (metrics.collector keys on it).
+        self.origin: Hooks = self
 
     def copy(self) -> Hooks:
         """The same registrations in a Hooks of their own (asyncjobq.testing: what a test adds
@@ -92,6 +95,7 @@ class Hooks:
         other.middleware = self.middleware
         other.active = self.active
         other.timeout = self.timeout
+        other.origin = self.origin
         return other
 
     def add_hook(self, hook: object) -> None:
@@ -110,7 +114,8 @@ class Hooks:
         self.active = True
 
     def add_observer(self, observer: object) -> None:
-        """Register plain `def` event methods, called inline (see the module's doc)."""
+        """Register plain `def` event methods, called inline (see the module's doc); a method
+        registered already is not registered twice."""
         found = {e: getattr(observer, e) for e in EVENTS
                  if callable(getattr(observer, e, None))}
         if not found:
@@ -123,8 +128,10 @@ class Hooks:
                     f"{type(observer).__name__}.{event} is a coroutine function: an observer's "
                     "methods are plain `def` (register async ones with add_hook)")
         for event, method in found.items():
-            self._inline.setdefault(event, []).append(method)
-            getattr(self, event).append(method)
+            inline = self._inline.setdefault(event, [])
+            if method not in inline:
+                inline.append(method)
+                getattr(self, event).append(method)
         self.active = True
 
     def _observe(self, event: str, kwargs: dict[str, Any]) -> bool:

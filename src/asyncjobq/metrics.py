@@ -238,16 +238,16 @@ def collector(queue: Queue) -> QueueCollector:
     if not isinstance(hooks, Hooks):
         raise ConfigurationError(f"metrics.collector({queue!r}): pass the asyncjobq.Queue whose "
                                  "jobs to count")
-    found = _collectors.get(hooks)
+    found = _collectors.get(hooks.origin)
     if found is None:
-        found = _collectors[hooks] = QueueCollector()
-        hooks.add_observer(found)
+        found = _collectors[hooks.origin] = QueueCollector()
+    hooks.add_observer(found)  # not twice; again on hooks a test block replaced (hooks.copy)
     return found
 
 
 def attached(queue: Queue) -> QueueCollector | None:
     """The collector made for `queue` by collector(), if any."""
-    return _collectors.get(queue.hooks)
+    return _collectors.get(queue.hooks.origin)
 
 
 class MetricsServer:

@@ -166,12 +166,12 @@ class Queue:
         try:
             yield self
         finally:
-            self._db.restore(before)
             self.tasks.clear()
             self.tasks.update(tasks)
             self.schedules.clear()
             self.schedules.update(schedules)
             self.hooks = hooks
+            self._db.restore(before)
 
     # --- task registry ---------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
+import anyio
 import psycopg
 from psycopg import sql
 
@@ -114,10 +115,14 @@ async def isolated(queue: Queue, *, dsn: str | None = None) -> AsyncIterator[Que
             raise
         finally:
             queue._kept_open = False
-            try:
-                await queue.close()
-            finally:
-                await _drop_or_say(server, schema, failed)
+            # Shielded: a test's own timeout landing here must not leave the queue open on the
+            # test schema, which every later isolated() of the session would then refuse.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await queue.close()
+                finally:
+                    await queue.database.close()  # closed even if close() failed midway
+                    await _drop_or_say(server, schema, failed)
 
 
 async def _search_path(dsn: str) -> str:
@@ -136,9 +141,9 @@ async def _search_path(dsn: str) -> str:
 
 def _search_path_first(dsn: str, schema: str, current: str) -> str:
     options = psycopg.conninfo.conninfo_to_dict(dsn).get("options") or ""
-    rest = ",".join(part.strip() for part in current.split(",") if part.strip())
-    # libpq splits options on spaces: a backslash keeps one inside the value.
-    path = f"{schema},{rest}" if rest else schema
+    # The server's own text, untouched: a quoted name may hold commas and spaces. libpq splits
+    # options on spaces: a backslash keeps one inside the value.
+    path = f"{schema}, {current}" if current.strip() else schema
     path = path.replace("\\", "\\\\").replace(" ", "\\ ")
     return f"{options} -c search_path={path}".strip()
 

@@ -61,7 +61,7 @@ class HeldConnection:
     async def use(self) -> AsyncIterator[AsyncConnection[Any]]:
         async with self._lock:
             if self._conn is not None and (self._conn.closed or self._conn.broken):
-                await self.close()
+                await self._close()
             if self._conn is None:
                 self._conn = await self._connect()
             try:
@@ -69,7 +69,7 @@ class HeldConnection:
             except (psycopg.Error, anyio.get_cancelled_exc_class()):
                 # Whatever state it is in (a statement cut off by a cancel may still be running
                 # on it), do not reuse it.
-                await self.close()
+                await self._close()
                 raise
 
     async def _connect(self) -> AsyncConnection[Any]:
@@ -91,6 +91,11 @@ class HeldConnection:
         return conn
 
     async def close(self) -> None:
+        """Close it once no caller is using it (the next use opens another)."""
+        async with self._lock:
+            await self._close()
+
+    async def _close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             with anyio.CancelScope(shield=True):
