@@ -210,7 +210,9 @@ class Workers:
         self.tmp = Path(tempfile.mkdtemp(prefix="ajq-bench-"))
         self.procs: list[subprocess.Popen[str]] = []
         self.outs: list[Path] = []
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # src first: this tree's asyncjobq, also when another tree's is installed (the A/B of
+        # benchmarks/limits_ab.py runs an older commit's tree).
+        env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
         for i in range(n):
             out = self.tmp / f"w{i}.json"
             cmd = [sys.executable, "-m", "benchmarks.worker_proc", "--dsn", server.dsn,

@@ -44,6 +44,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         if sleep:
             await asyncio.sleep(sleep)
 
+    if args.limited_task:
+        # Never enqueued: its limit only makes every claim of this worker the limited one.
+        @queue.task(name="limited_other", concurrency_limit=1)
+        async def limited_other(job: Job) -> None:
+            pass
+
     kwargs: dict[str, Any] = {}
     if args.concurrency:
         kwargs["concurrency"] = args.concurrency
@@ -93,6 +99,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     # The metrics A/B (benchmarks/metrics_ab.py): 0 serves /metrics on a free port.
     p.add_argument("--metrics-port", type=int, default=None)
+    # The flow-control A/B (benchmarks/limits_ab.py): also register a limited task.
+    p.add_argument("--limited-task", action="store_true")
     return p.parse_args()
 
 

@@ -458,6 +458,8 @@ async def test_least_privilege_roles_from_the_readme(pg_dsn: str, schema: str,
         many = await producer.enqueue_many("ok", [{"n": 2}, {"n": 3}], queue="roles")
         notes = [n async for n in listener.notifies(timeout=5.0, stop_after=1)]
         assert len(notes) == 1, "one notification per statement"
+        keyed = await producer.enqueue_many("ok", [{"n": 7}, {"n": 8}], queue="roles",
+                                            keys=["account:1", "account:1"])
         dedup = await producer.enqueue("ok", {"n": 4}, queue="roles", dedup_key="once")
         assert await producer.enqueue("ok", {"n": 5}, queue="roles", dedup_key="once") == dedup
         async with producer.connection() as conn:
@@ -474,12 +476,13 @@ async def test_least_privilege_roles_from_the_readme(pg_dsn: str, schema: str,
                                 "CREATE TABLE {s}.evil (x int)")
         with pytest.raises(asyncjobq.AsyncJobQError, match=r"may not install.*owner"):
             await producer.install()
-    job_ids = [first, *many, dedup, by_sql, in_tx]
+    job_ids = [first, *many, *keyed, dedup, by_sql, in_tx]
 
     # Worker: runs them (done, retried, failed), admin calls work, no DDL.
     wq = Queue(as_role(pg_dsn, roles.worker), schema=schema)
 
-    @wq.task(name="ok")
+    # Limited: every claim goes through flow_admit and its log of starts, as the worker role.
+    @wq.task(name="ok", concurrency_limit=5, key_limit=1, rate_limit="1000/s")
     async def ok(job: Job) -> None:
         pass
 

@@ -315,7 +315,15 @@ async def test_upgrade_backfills_an_existing_history(pg_dsn: str, schema: str) -
         await execute(q, fill_history(5_000))
         live = await q.enqueue_many("t", [{}] * 4, queue="b")
         async with q.connection() as conn:  # the cancel of version 2: no trigger then
-            await conn.execute(q.sql.job_cancel, (live[0],))
+            await conn.execute(sql.SQL(
+                "WITH cancelled AS ("
+                " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *)"
+                " INSERT INTO {s}.jobs_history (id, queue, task, payload, status, priority,"
+                "   run_at, attempts, max_attempts, dedup_key, locked_by, last_error,"
+                "   created_at, finished_at)"
+                " SELECT id, queue, task, payload, 'cancelled', priority, run_at, attempts,"
+                "   max_attempts, dedup_key, locked_by, last_error, created_at, now()"
+                " FROM cancelled").format(s=sql.Identifier(schema)), (live[0],))
         before = await true_counts(q)
         assert await q.install() == LATER_THAN_2
         assert await fetchval(q, "SELECT count(*) FROM {s}.history_counts WHERE shard <> 0") == 0

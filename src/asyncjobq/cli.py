@@ -363,31 +363,48 @@ def enqueue(task: str, payload: dict[str, Any], queue: str, priority: int, delay
 
 
 @main.command()
+@click.argument("app", required=False, default=None)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--lease", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="Running jobs not heartbeated this long count as stale.")
 @_db_options
 @_guard
-def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
-    """Per queue: counts by status, oldest queued age, stale running, last-minute throughput."""
+def status(app: str | None, as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
+    """Per queue: counts by status, oldest queued age, stale running, last-minute throughput,
+    paused queues. With APP (module:queue), also its tasks' limits and their use (limits live
+    in the code, so only the app knows them); the app's schema is read then."""
 
     async def gather(q: Queue) -> tuple[dict[str, dict[str, int]], dict[str, Any],
-                                        dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+                                        dict[str, Any] | None, dict[str, Any], dict[str, Any],
+                                        dict[str, Any]]:
         # Counts read from a schema of another version could be wrong; say so instead.
         async with q.connection() as conn:
             await migrations.check(conn, q.schema)
         return (await q.stats(), await q.health(lease), await q.leader(), await q.last_ticks(),
-                await q.paused())
+                await q.paused(), await q.limits())
 
-    counts, health, leader, ticks, paused = _with_queue(dsn, schema, gather)
+    if app is not None:
+        _app_param(click.get_current_context(), click.Argument(["app"]), app)
+        app_queue = load_app(app)
+        if dsn is not None:
+            app_queue.set_dsn(dsn)
+        schema = app_queue.schema
+
+        async def from_app() -> Any:
+            async with app_queue:
+                return await gather(app_queue)
+
+        counts, health, leader, ticks, paused, limits = runtime.run(from_app)
+    else:
+        counts, health, leader, ticks, paused, limits = _with_queue(dsn, schema, gather)
     lead = None if leader is None else {"worker": leader["worker"],
                                         "since": leader["since"].isoformat()}
     last_ticks = {name: _iso(t) for name, t in ticks.items()}
     if as_json:
         click.echo(json.dumps({"schema": schema, "queues": counts, "health": health,
                                "leader": lead, "schedules": last_ticks,
-                               "paused": {q: _iso(t) for q, t in paused.items()}}, indent=2,
-                              sort_keys=True))
+                               "paused": {q: _iso(t) for q, t in paused.items()},
+                               "limits": limits}, indent=2, sort_keys=True))
         return
     from rich.console import Console
     from rich.table import Table
@@ -414,6 +431,23 @@ def status(as_json: bool, lease: float, dsn: str | None, schema: str) -> None:
         who += f"; paused without jobs: {', '.join(idle)}"
     table.caption = f"no jobs yet; {who}" if not counts else who
     Console().print(table)
+    if limits:
+        Console().print(_limits_table(limits))
+
+
+def _limits_table(limits: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="limits (from the app's code)")
+    for col in ("task", "queue", "limits", "running", "keys running", "starts this period"):
+        table.add_column(col, justify="left" if col in ("task", "queue", "limits") else "right")
+    for name, lim in limits.items():
+        said = [f"{k}={lim[k]}" for k in ("concurrency_limit", "key_limit", "rate_limit")
+                if lim[k] is not None]
+        table.add_row(name, lim["queue"], ", ".join(said), str(lim["running"]),
+                      str(lim["keys_running"]) if lim["key_limit"] else "-",
+                      str(lim["started_in_period"]) if lim["rate_limit"] else "-")
+    return table
 
 
 def _iso(t: Any) -> str | None:

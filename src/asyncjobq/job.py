@@ -58,6 +58,7 @@ class JobInfo:
     created_at: datetime
     finished_at: datetime | None
     payload: dict[str, Any]
+    key: str | None = None  # enqueue(key=...), see Queue.task(key_limit=)
 
 
 class RetryResult(int):

@@ -50,7 +50,7 @@ from .errors import (
 )
 from .hooks import Hooks, Middleware
 from .job import MAX_DELAY, STATUSES, JobInfo, RetryResult
-from .task import Backoff, Handler, Task
+from .task import Backoff, Handler, Task, parse_rate
 
 log = logging.getLogger("asyncjobq.queue")
 
@@ -186,6 +186,9 @@ class Queue:
         backoff: Backoff | None = None,
         cron: str | None = None,
         timezone: str = "UTC",
+        concurrency_limit: int | None = None,
+        key_limit: int | None = None,
+        rate_limit: str | None = None,
     ) -> Callable[[Handler], Task]:
         """Register a handler: `@queue.task()` above `async def` (plain `def` runs in a thread).
 
@@ -202,6 +205,14 @@ class Queue:
             cron: the task's one schedule (see `periodic`), named after the task and run
                 with an empty payload; e.g. "0 3 * * *".
             timezone: the IANA timezone `cron` is read in.
+            concurrency_limit: at most this many of the task's jobs run at once across every
+                worker of the fleet (DESIGN §13). Enforced in the claim; a job held back
+                stays queued and burns no attempt.
+            key_limit: at most this many of the task's jobs with one `key` (enqueue(key=))
+                run at once, and a key's jobs start in (priority, run_at, id) order; 1 runs
+                each key's jobs one at a time. Jobs without a key are not limited by it.
+            rate_limit: at most N starts per period across the fleet: "N/s", "N/m", "N/h".
+            Limits take effect in the workers that register the task, when they (re)start.
         """
         check_queue_name(queue)
         _check_max_attempts(max_attempts)
@@ -210,6 +221,13 @@ class Queue:
             raise ConfigurationError(f"timeout={timeout!r}: use a number of seconds > 0, or None")
         # A bad expression or timezone fails here, at the decorator, before the handler exists.
         clock = cron_clock(cron, timezone_of(timezone)) if cron is not None else None
+        for what, limit in (("concurrency_limit", concurrency_limit), ("key_limit", key_limit)):
+            if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                      or not 1 <= limit <= 1_000_000):
+                raise ConfigurationError(f"{what}={limit!r}: use a whole number of jobs from 1 "
+                                         "to 1000000, or None for no limit")
+        if rate_limit is not None:
+            parse_rate(rate_limit)
         if cron is None and timezone != "UTC":
             raise ConfigurationError(f"timezone={timezone!r} without cron=: the timezone is the "
                                      "one the task's cron expression is read in; pass cron=")
@@ -223,7 +241,8 @@ class Queue:
                 )
             if clock is not None:
                 self._check_schedule_name(task_name)
-            t = Task(self, task_name, fn, queue, max_attempts, timeout, priority, backoff)
+            t = Task(self, task_name, fn, queue, max_attempts, timeout, priority, backoff,
+                     concurrency_limit, key_limit, rate_limit)
             self.tasks[task_name] = t
             if clock is not None:
                 self.schedules[task_name] = Schedule(task_name, task_name, clock, cron, None,
@@ -453,12 +472,14 @@ class Queue:
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         dedup_key: str | None = None,
+        key: str | None = None,
         conn: Conn | None = None,
     ) -> int:
         """Add one job; returns its id (the existing job's id for a live duplicate dedup_key).
 
         With `conn=`, the job is written in that connection's transaction: it exists, and wakes
-        workers, only if that transaction commits.
+        workers, only if that transaction commits. `key` (e.g. "account:42") puts the job in
+        that key's line when its task has a key_limit.
         """
         _check_conn(conn)
         name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
@@ -468,20 +489,21 @@ class Queue:
                                       or not _storable(dedup_key)):
             raise ConfigurationError(f"dedup_key={dedup_key!r}: use a non-empty string without "
                                      "NUL or unpaired surrogates, or None")
+        _check_key("key", key)
         send = tracing.producer(name, q)
         if send is None:
             return await self._enqueue(name, body, q, prio, when, secs, attempts, dedup_key,
-                                       conn, None)
+                                       conn, None, key)
         with send:
             job_id = await self._enqueue(name, body, q, prio, when, secs, attempts, dedup_key,
-                                         conn, send.context)
+                                         conn, send.context, key)
             send.written([job_id])
             return job_id
 
     async def _enqueue(self, name: str, body: str, q: str, prio: int, when: datetime | None,
                        secs: float, attempts: int, dedup_key: str | None, conn: Conn | None,
-                       trace: str | None) -> int:
-        if conn is None and dedup_key is None:
+                       trace: str | None, key: str | None = None) -> int:
+        if conn is None and dedup_key is None and key is None:
             job = (f"[{json.dumps(name)},{body},{json.dumps(q)},{prio:d},"
                    f"{json.dumps(when.astimezone(UTC).isoformat() if when else None)},"
                    f"{json.dumps(secs)},"
@@ -493,8 +515,9 @@ class Queue:
             return job_id
         params = {"task": name, "payload": body, "queue": q, "priority": prio, "run_at": when,
                   "delay": secs, "max_attempts": attempts, "dedup_key": dedup_key,
-                  "trace": trace}
-        insert = self.sql.job_insert if trace is None else self.sql.job_insert_traced
+                  "trace": trace, "key": key}
+        insert = (self.sql.job_insert_keyed if key is not None
+                  else self.sql.job_insert if trace is None else self.sql.job_insert_traced)
         advice = _RESEND_DEDUP if dedup_key is not None else _USE_DEDUP
         for _ in range(10):
             # With a dedup_key, sending the INSERT again after a lost reply is safe: it
@@ -537,9 +560,13 @@ class Queue:
         run_at: datetime | None = None,
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
+        keys: Sequence[str | None] | None = None,
         conn: Conn | None = None,
     ) -> list[int]:
-        """Add many jobs of one task in a single statement; returns their ids in order."""
+        """Add many jobs of one task in a single statement; returns their ids in order.
+
+        `keys`, one per payload (None: no key), as `enqueue(key=)` takes them.
+        """
         _check_conn(conn)
         name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
         if isinstance(payloads, dict | str | bytes):
@@ -548,6 +575,7 @@ class Queue:
                 "or call enqueue()"
             )
         array = _encode_payload_array(payloads)
+        key_array = _encode_keys(keys, len(payloads))
         if array == "[]":
             return []
         when, secs = _schedule(run_at, delay)
@@ -555,20 +583,24 @@ class Queue:
         send = tracing.producer(name, q, n)
         if send is None:
             ids = await self._enqueue_many(name, q, prio, when, secs, attempts, array, n, conn,
-                                           None)
+                                           None, key_array)
         else:
             with send:
                 ids = await self._enqueue_many(name, q, prio, when, secs, attempts, array, n,
-                                               conn, send.context)
+                                               conn, send.context, key_array)
         if self.hooks.on_enqueued:
             self.hooks.spawn("on_enqueued", job_ids=ids, task=name, queue=q)
         return ids
 
     async def _enqueue_many(self, name: str, q: str, prio: int, when: datetime | None,
                             secs: float, attempts: int, array: str, n: int,
-                            conn: Conn | None, trace: str | None) -> list[int]:
+                            conn: Conn | None, trace: str | None,
+                            key_array: str | None = None) -> list[int]:
         # One trace context for the batch: every job's attempts are children of its span.
         statement, params = (
+            (self.sql.job_insert_many_keyed,
+             (name, q, prio, when, secs, attempts, trace, array, key_array))
+            if key_array is not None else
             (self.sql.job_insert_many, (name, q, prio, when, secs, attempts, array))
             if trace is None else
             (self.sql.job_insert_many_traced,
@@ -737,6 +769,25 @@ class Queue:
             row = await cur.fetchone()
         return bool(row and row[0])
 
+    async def limits(self) -> dict[str, dict[str, Any]]:
+        """The limits of this Queue's limited tasks, as its code declares them, with their use
+        now: {task: {"queue", "concurrency_limit", "key_limit", "rate_limit" (None when not
+        set), "running", "keys_running", "started_in_period"}}."""
+        limited = sorted((t for t in self.tasks.values() if t.limits), key=lambda t: t.name)
+        if not limited:
+            return {}
+        periods = [parse_rate(t.rate_limit)[1] if t.rate_limit else 0.0 for t in limited]
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.flow_usage,
+                                  {"tasks": [t.name for t in limited], "periods": periods})
+            usage = {r[0]: r[1:] for r in await cur.fetchall()}
+        return {t.name: {"queue": t.queue, "concurrency_limit": t.concurrency_limit,
+                         "key_limit": t.key_limit, "rate_limit": t.rate_limit,
+                         "running": int(usage[t.name][0]),
+                         "keys_running": int(usage[t.name][1]),
+                         "started_in_period": int(usage[t.name][2])}
+                for t in limited}
+
     async def paused(self) -> dict[str, datetime]:
         """{queue: paused since} of the paused queues."""
         async with self._conn(None) as c:
@@ -833,6 +884,29 @@ def _unstorable_string(value: object) -> str | None:
         elif isinstance(v, list | tuple):
             stack.extend(v)
     return None
+
+
+def _check_key(what: str, key: object) -> None:
+    if key is not None and (not isinstance(key, str) or not key or len(key) > 1000
+                            or not _storable(key)):
+        raise ConfigurationError(f"{what}={key!r}: use a non-empty string of at most 1000 "
+                                 "characters without NUL or unpaired surrogates (e.g. "
+                                 "\"account:42\"), or None")
+
+
+def _encode_keys(keys: object, n: int) -> str | None:
+    """enqueue_many's keys as a JSON array, None when no job has one."""
+    if keys is None:
+        return None
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise ConfigurationError(f"keys={keys!r}: pass a list with one key (or None) per "
+                                 "payload, e.g. keys=[\"account:1\", \"account:2\"]")
+    if len(keys) != n:
+        raise ConfigurationError(f"keys has {len(keys)} item(s) for {n} payload(s): pass one "
+                                 "key (or None) per payload, in the same order")
+    for i, key in enumerate(keys):
+        _check_key(f"keys[{i}]", key)
+    return json.dumps(list(keys)) if any(k is not None for k in keys) else None
 
 
 def _schedule(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from .errors import ConfigurationError
 from .job import Job
 
 if TYPE_CHECKING:
@@ -17,6 +19,19 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Job], Awaitable[object]] | Callable[[Job], object]
 Backoff = Callable[[int], float]
+
+_RATE_RE = re.compile(r"^\s*(\d+)\s*/\s*([smh])\s*$")
+_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_rate(rate: object) -> tuple[int, float]:
+    """"14/s" -> (14, 1.0): at most 14 starts per second across the fleet."""
+    m = _RATE_RE.match(rate) if isinstance(rate, str) else None
+    if m is None or int(m.group(1)) < 1 or int(m.group(1)) > 1_000_000:
+        raise ConfigurationError(
+            f"rate_limit={rate!r}: write starts per period as \"N/s\", \"N/m\" or \"N/h\" "
+            "with 1 <= N <= 1000000, e.g. rate_limit=\"14/s\"")
+    return int(m.group(1)), _PERIODS[m.group(2)]
 
 
 @dataclass(frozen=True)
@@ -29,10 +44,25 @@ class Task:
     timeout: float | None = None
     priority: int = 0
     backoff: Backoff | None = None
+    concurrency_limit: int | None = None
+    key_limit: int | None = None
+    rate_limit: str | None = None
 
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.handler)
+
+    @property
+    def limits(self) -> dict[str, object] | None:
+        """The task's limits as a claim sends them (0007_flow_control.sql), None: none."""
+        found: dict[str, object] = {}
+        if self.concurrency_limit is not None:
+            found["c"] = self.concurrency_limit
+        if self.key_limit is not None:
+            found["k"] = self.key_limit
+        if self.rate_limit is not None:
+            found["r"] = list(parse_rate(self.rate_limit))
+        return found or None
 
     async def enqueue(
         self,
@@ -44,6 +74,7 @@ class Task:
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         dedup_key: str | None = None,
+        key: str | None = None,
         conn: AsyncConnection[Any] | None = None,
     ) -> int:
         return await self.owner.enqueue(
@@ -55,6 +86,7 @@ class Task:
             delay=delay,
             max_attempts=max_attempts,
             dedup_key=dedup_key,
+            key=key,
             conn=conn,
         )
 

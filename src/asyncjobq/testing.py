@@ -175,7 +175,7 @@ async def _drop_schema(dsn: str, schema: str) -> None:
 # --- enqueued, assert_enqueued, refute_enqueued --------------------------------------------
 
 _INFO = ("id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "
-         "created_at, finished_at, payload")
+         "created_at, finished_at, payload, key")
 
 
 async def enqueued(q: Queue, task: str | Task | None = None, *, queue: str | None = None,

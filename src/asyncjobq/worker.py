@@ -239,10 +239,13 @@ class Worker:
             db, self.id, self.queues, batch_size=self.batch_size,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
             free_slots=self._free_slots, dispatch=self._dispatch, held=self._keep,
-            claimed=self._claimed)
+            claimed=self._claimed,
+            limits={t.name: lim for t in self.queue.tasks.values()
+                    if (lim := t.limits) is not None})
         completer = self.completer = Completer(
             db, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
             on_written=self._written, fetcher=fetcher,
+            urgent=frozenset(t.name for t in self.queue.tasks.values() if t.key_limit),
             on_flushed=collected.observe_flush if collected is not None else None)
         heartbeat = self.heartbeat = Heartbeat(
             db, self.id, lease=self.lease, held=self._held,

@@ -51,6 +51,7 @@ class Completer:
         on_flushed: Callable[[float], None] | None = None,
         fetcher: Fetcher | None = None,
         lanes: int = 2,
+        urgent: frozenset[str] = frozenset(),
     ) -> None:
         self._db = db
         self._worker_id = worker_id
@@ -75,6 +76,9 @@ class Completer:
         self._errors_seen: set[str] = set()
         # While run() loops, each lane flushes through a connection of its own (see heldconn).
         self._lanes = [HeldConnection(self._db, ROLE) for _ in range(max(1, lanes))]
+        # Tasks whose outcomes are written at once, not after flush_interval: a key_limit
+        # task's next job of the key can only start once this one's outcome is written.
+        self._urgent = urgent
 
     def pending(self) -> list[tuple[int, int]]:
         """(id, attempt) of jobs whose outcome is not written yet: still running in the table,
@@ -99,7 +103,12 @@ class Completer:
         if not self._buffer:
             self._first_at = time.monotonic()
         self._buffer.append(outcome)
-        if self._waiters and (len(self._buffer) == 1 or len(self._buffer) >= self._max_batch):
+        if outcome.task in self._urgent:
+            self._first_at = -math.inf  # due now
+            if self._waiters:
+                self._signal()
+        elif self._waiters and (len(self._buffer) == 1
+                                or len(self._buffer) >= self._max_batch):
             self._signal()
 
     def _signal(self) -> None:
@@ -220,8 +229,9 @@ class Completer:
         assert self._fetcher is not None
         cur = await conn.execute(query, {**params, **claim_params})
         rows = await cur.fetchall()
-        self._fetcher.folded_claimed([r[1:] for r in rows if r[0]], reserved)
-        return {int(r[1]) for r in rows if not r[0]}
+        # true: a claimed job; false: an accepted outcome; NULL: a limited claim's marker row.
+        self._fetcher.folded_claimed([r[1:] for r in rows if r[0] is not False], reserved)
+        return {int(r[1]) for r in rows if r[0] is False}
 
     # --- shutdown --------------------------------------------------------------------------
 

@@ -9,9 +9,11 @@ will fill are reserved until the flush returns, so the two never claim past conc
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -32,6 +34,10 @@ ROLE = "fetch"
 # claimed for ever. Remembered for this many jobs at most.
 LOST_CLAIM_TIMES = 3
 LOST_CLAIM_MEMORY = 10_000
+# A claim held rows back for a concurrency or key limit: claim again this soon (at most
+# poll_interval). The worker that finishes the job holding the slot usually starts the next
+# one in the same flush; this is for the other workers, which no notification tells.
+HELD_RETRY = 0.1
 
 
 class Wakeup:
@@ -85,6 +91,7 @@ class Fetcher:
         dispatch: Callable[[Job], None],
         held: Callable[[], list[tuple[int, int]]] = list,
         claimed: Callable[[list[Job]], None] | None = None,
+        limits: dict[str, dict[str, object]] | None = None,
     ) -> None:
         self._db = db
         self._worker_id = worker_id
@@ -117,6 +124,10 @@ class Fetcher:
         self._reserved = 0
         # While run() loops, claims go through a connection of its own (see heldconn).
         self._held = HeldConnection(self._db, ROLE)
+        # The limited tasks' limits, sent with every claim (sql/claim.py, `_limited`); None:
+        # no limited task, the plain claim.
+        self._limits = json.dumps(limits, sort_keys=True) if limits else None
+        self.held_back = 0  # rows limits held back, summed over claims
 
     @property
     def single_queue(self) -> bool:
@@ -147,27 +158,45 @@ class Fetcher:
         self.slot_freed.set()
 
     def _claim_params(self, limit: int) -> dict[str, object]:
-        if self.single_queue:
-            return {"queue": self._queues[0], "worker": self._worker_id, "limit": limit}
-        return {"queues": self._queues, "worker": self._worker_id, "limit": limit}
+        params: dict[str, object] = (
+            {"queue": self._queues[0], "worker": self._worker_id, "limit": limit}
+            if self.single_queue else
+            {"queues": self._queues, "worker": self._worker_id, "limit": limit})
+        if self._limits is not None:
+            params["limits"] = self._limits
+        return params
 
     def _jobs(self, rows: Sequence[Sequence[Any]]) -> list[Job]:
         jobs = [
             Job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4], attempt=r[5],
                 max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id,
                 trace_context=r[9])
-            for r in rows
+            for r in rows if r[0] is not None
         ]
+        for r in rows:
+            if r[0] is None:  # a limited claim held r[4] rows back (sql/claim.py)
+                self._held_back_until(r[4], r[7])
         # RETURNING order is the update's, not the claim's: hand jobs out in claim order.
         jobs.sort(key=lambda j: (-j.priority, j.run_at, j.id))
         return jobs
+
+    def _held_back_until(self, held: int, retry_at: datetime | None) -> None:
+        # A rate limit says when its next start is free; a concurrency or key limit's slot
+        # frees when a job ends, which only its worker's own next claim sees at once.
+        self.held_back += held
+        delay = (min(self._poll_interval, HELD_RETRY) if retry_at is None
+                 else max(0.0, retry_at.timestamp() - time.time()))
+        self.wakeup.at(time.monotonic() + delay)
 
     def _statement(self, one_queue: sql.Composed, many_queues: sql.Composed) -> sql.Composed:
         return one_queue if self.single_queue else many_queues
 
     async def claim(self, limit: int) -> list[Job]:
         st = self._db.sql
-        query = self._statement(st.job_claim_one_queue, st.job_claim_many_queues)
+        query = (self._statement(st.job_claim_one_queue, st.job_claim_many_queues)
+                 if self._limits is None else
+                 self._statement(st.job_claim_one_queue_limited,
+                                 st.job_claim_many_queues_limited))
         async with self._held.connection() as conn:
             cur = await conn.execute(query, self._claim_params(limit))
             rows = await cur.fetchall()
@@ -188,8 +217,12 @@ class Fetcher:
             return None
         self._reserved += limit
         st = self._db.sql
-        query = self._statement(st.job_set_outcome_if_running_many_then_claim_one_queue,
-                                st.job_set_outcome_if_running_many_then_claim_many_queues)
+        query = (
+            self._statement(st.job_set_outcome_if_running_many_then_claim_one_queue,
+                            st.job_set_outcome_if_running_many_then_claim_many_queues)
+            if self._limits is None else
+            self._statement(st.job_set_outcome_if_running_many_then_claim_one_queue_limited,
+                            st.job_set_outcome_if_running_many_then_claim_many_queues_limited))
         return query, self._claim_params(limit), limit
 
     def folded_claimed(self, rows: Sequence[Sequence[Any]], reserved: int) -> None:

@@ -156,9 +156,27 @@ class AdminStatements(Role):
             " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *)"
             " INSERT INTO {s}.jobs_history ({h})"
             " SELECT id, queue, task, payload, 'cancelled', priority, run_at, attempts,"
-            "   max_attempts, dedup_key, locked_by, last_error, created_at, now()"
+            "   max_attempts, dedup_key, locked_by, last_error, created_at, now(), key"
             " FROM cancelled RETURNING id"
         ).format(s=sql.Identifier(self.schema), h=sql.SQL(HISTORY_COLUMNS))
+
+    # --- limits (0007_flow_control.sql) ----------------------------------------------------
+
+    @property
+    def flow_usage(self) -> sql.Composed:
+        # Per limited task: its running jobs, the keys they hold, its starts in the last period.
+        return _q(
+            "SELECT t.task,"
+            " (SELECT count(*) FROM {s}.jobs r"
+            "   WHERE r.task = t.task AND r.status = 'running' AND r.flow),"
+            " (SELECT count(DISTINCT r.key) FROM {s}.jobs r"
+            "   WHERE r.task = t.task AND r.status = 'running' AND r.flow AND r.key IS NOT NULL),"
+            " (SELECT count(*) FROM {s}.flow_starts f WHERE f.task = t.task"
+            "   AND f.started_at > clock_timestamp() - make_interval(secs => t.period))"
+            " FROM unnest(%(tasks)s::text[], %(periods)s::float8[]) AS t(task, period)"
+            " ORDER BY t.task",
+            self.schema,
+        )
 
     # --- pause / resume (0006_paused_queues.sql) --------------------------------------------
 

@@ -3,11 +3,30 @@ claim as `doctor` prepares and explains it, which must stay the statement worker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 
 from psycopg import sql
 
 from .common import CLAIM_COLUMNS, Role, _q
+
+# The limited claim's scan (alias j): a row of a limited task is left out when its snapshot
+# shows the task full (flow_sat) or the row past its key's free slots. Only a filter: what
+# starts is flow_admit's decision (0007_flow_control.sql).
+_FLOW_FILTER = (
+    "    AND (NOT %(limits)s::jsonb ? j.task OR ("
+    "     j.task <> ALL((SELECT tasks FROM flow_sat)::text[])"
+    "     AND (j.key IS NULL OR NOT (%(limits)s::jsonb -> j.task) ? 'k'"
+    "      OR j.id = ANY(ARRAY(SELECT e.id FROM {s}.jobs e"
+    "       WHERE e.task = j.task AND e.key = j.key AND e.status = 'queued'"
+    "         AND e.run_at <= now()"
+    "       ORDER BY e.priority DESC, e.run_at, e.id"
+    "       LIMIT greatest(0, (%(limits)s::jsonb -> j.task ->> 'k')::bigint"
+    "         - (SELECT count(*) FROM {s}.jobs r"
+    "            WHERE r.task = j.task AND r.key = j.key AND r.status = 'running' AND r.flow"
+    "              AND NOT (r.id = ANY((SELECT ids FROM flow_out)::bigint[])"
+    "                       AND r.locked_by = %(worker)s))))))))"
+)
 
 
 class WorkerStatements(Role):
@@ -27,7 +46,7 @@ class WorkerStatements(Role):
 
 
     @staticmethod
-    def _next_due_of_queue(queue: str) -> str:
+    def _next_due_of_queue(queue: str, limited: bool = False) -> str:
         # The next due rows of one queue, in claim order, a priority at a time: the recursive
         # part steps down jobs_dequeue_idx from one priority to the next (one index descent
         # each), and each priority's due rows are a range of the index, since run_at follows
@@ -52,17 +71,16 @@ class WorkerStatements(Role):
             "   ORDER BY j.priority DESC LIMIT 1)"
             "  FROM p WHERE p.priority IS NOT NULL)"
             " SELECT n.id, n.priority, n.run_at FROM p CROSS JOIN LATERAL ("
-            "  SELECT id, priority, run_at FROM {s}.jobs"
+            "  SELECT id, priority, run_at FROM {s}.jobs j"
             f"  WHERE queue = {queue} AND status = 'queued' AND priority = p.priority"
-            "    AND run_at <= now()"
+            "    AND run_at <= now()" + (_FLOW_FILTER if limited else "") +
             "  ORDER BY run_at, id LIMIT %(limit)s"
             "  FOR NO KEY UPDATE SKIP LOCKED) n"
             " LIMIT %(limit)s"
         )
 
-    @property
-    def _next_due_one_queue(self) -> str:
-        return "SELECT id FROM (" + self._next_due_of_queue("%(queue)s") + ") d"
+    def _next_due_one_queue(self, limited: bool = False) -> str:
+        return "SELECT id FROM (" + self._next_due_of_queue("%(queue)s", limited) + ") d"
 
     # Several queues: each queue's next rows, then the first of those. One scan with
     # queue = ANY(...) cannot read the index in claim order, so it sorted every due job of the
@@ -72,20 +90,108 @@ class WorkerStatements(Role):
     # backlog those claims take the rows after them, but when a few jobs are all that is due,
     # another worker can come back short and wait for its next wake-up, while this one claims
     # the rest with its next batch.
-    @property
-    def _next_due_many_queues(self) -> str:
+    def _next_due_many_queues(self, limited: bool = False) -> str:
         return (
             "SELECT c.id FROM unnest(%(queues)s::text[]) AS q(name)"
-            " CROSS JOIN LATERAL (" + self._next_due_of_queue("q.name") + ") c"
+            " CROSS JOIN LATERAL (" + self._next_due_of_queue("q.name", limited) + ") c"
             " ORDER BY c.priority DESC, c.run_at, c.id LIMIT %(limit)s")
 
     @cached_property
     def job_claim_one_queue(self) -> sql.Composed:
-        return self._compose(self._job_claim_update(self._next_due_one_queue))
+        return self._compose(self._job_claim_update(self._next_due_one_queue()))
 
     @cached_property
     def job_claim_many_queues(self) -> sql.Composed:
-        return self._compose(self._job_claim_update(self._next_due_many_queues))
+        return self._compose(self._job_claim_update(self._next_due_many_queues()))
+
+    # --- claims of a worker that has limited tasks (0007_flow_control.sql) ------------------
+    # The same claim, plus %(limits)s ({task: {"c": n, "k": n, "r": [n, seconds]}}, the
+    # worker's limited tasks). Its scan leaves out rows its snapshot shows over a limit (so
+    # that a busy key or a full task does not fill the batch with rows that cannot start),
+    # then flow_admit decides, under locks and on fresh snapshots, which of the locked rows
+    # start. A worker without limited tasks runs the statements above, unchanged. Besides the
+    # claimed rows, one marker row (id NULL) says how many rows were held back (in the
+    # `priority` column) and when the first rate-limited one may start (`run_at`).
+
+    @staticmethod
+    def _job_claim_limited(next_due: str, outgoing: str, queue_of: Callable[[str], str]) -> str:
+        # queue_of("e"): the condition that row e is in a queue this claim serves.
+        return (
+            "flow_out AS (SELECT " + outgoing + " AS ids),"
+            " flow_sat AS MATERIALIZED ("
+            "  SELECT coalesce(array_agg(l.task), '{{}}') AS tasks"
+            "  FROM jsonb_each(%(limits)s::jsonb) AS l(task, v)"
+            "  WHERE (v ? 'c' AND (SELECT count(*) FROM {s}.jobs r"
+            "    WHERE r.task = l.task AND r.status = 'running' AND r.flow"
+            "      AND NOT (r.id = ANY((SELECT ids FROM flow_out)::bigint[])"
+            "               AND r.locked_by = %(worker)s)"
+            "    ) >= (v ->> 'c')::bigint)"
+            "   OR (v ? 'r' AND (SELECT count(*) FROM {s}.flow_starts s"
+            "    WHERE s.task = l.task AND s.started_at > clock_timestamp()"
+            "      - make_interval(secs => (v -> 'r' ->> 1)::float8 + 0.05)"
+            "    ) >= (v -> 'r' ->> 0)::bigint)),"
+            # The next job of each key this statement's completions free comes first: a key's
+            # jobs then follow one another in the worker that ran the last one, in the flush
+            # that ends it, where another worker would only find it at its next claim.
+            " flow_next AS ("
+            "  SELECT h.id FROM (SELECT DISTINCT f.task, f.key FROM {s}.jobs f"
+            "    WHERE f.id = ANY((SELECT ids FROM flow_out)::bigint[]) AND f.key IS NOT NULL"
+            "      AND (%(limits)s::jsonb -> f.task) ? 'k') k"
+            "  CROSS JOIN LATERAL (SELECT e.id FROM {s}.jobs e"
+            "    WHERE e.task = k.task AND e.key = k.key AND e.status = 'queued'"
+            "      AND e.run_at <= now() AND " + queue_of("e") +
+            "    ORDER BY e.priority DESC, e.run_at, e.id LIMIT 1"
+            "    FOR NO KEY UPDATE SKIP LOCKED) h),"
+            " flow_adm AS MATERIALIZED ("
+            "  SELECT * FROM {s}.flow_admit(ARRAY("
+            "    SELECT id FROM (SELECT id FROM flow_next UNION ALL " + next_due + ") c"
+            "    LIMIT %(limit)s), %(limits)s::jsonb, (SELECT ids FROM flow_out), %(worker)s)),"
+            " claimed AS ("
+            "  UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
+            "   locked_at = now(), attempts = attempts + 1, flow = %(limits)s::jsonb ? task"
+            "  WHERE id = ANY((SELECT admitted FROM flow_adm)::bigint[])"
+            "  RETURNING {c})"
+        )
+
+    @staticmethod
+    def _held_marker(queue_of: Callable[[str], str]) -> str:
+        # Also when nothing was held but the claim came back short while due jobs of limited
+        # tasks wait: its scan left them out (a busy key, a full task), and no notification
+        # will say when they may start. Typed as CLAIM_COLUMNS are: a subquery's bare NULLs
+        # would be text.
+        return (
+            "SELECT NULL::bigint, NULL::text, NULL::text, NULL::jsonb, held,"
+            " NULL::int, NULL::int, retry_at, NULL::timestamptz, NULL::jsonb"
+            " FROM flow_adm WHERE held > 0 OR (cardinality(admitted) < %(limit)s"
+            "  AND EXISTS (SELECT FROM {s}.jobs w WHERE " + queue_of("w") +
+            "   AND w.status = 'queued' AND w.run_at <= now() AND %(limits)s::jsonb ? w.task"
+            "   AND NOT w.id = ANY(admitted)))")
+
+    @staticmethod
+    def _in_one_queue(alias: str) -> str:
+        return (f"{alias}.queue = %(queue)s AND NOT EXISTS (SELECT FROM {{s}}.paused_queues pq"
+                f" WHERE pq.queue = {alias}.queue)")
+
+    @staticmethod
+    def _in_many_queues(alias: str) -> str:
+        return (f"{alias}.queue = ANY(%(queues)s::text[]) AND NOT EXISTS (SELECT FROM"
+                f" {{s}}.paused_queues pq WHERE pq.queue = {alias}.queue)")
+
+    def _job_claim_limited_alone(self, next_due: str,
+                                 queue_of: Callable[[str], str]) -> sql.Composed:
+        return self._compose(
+            "WITH " + self._job_claim_limited(next_due, "'{{}}'::bigint[]", queue_of)
+            + " SELECT {c} FROM claimed UNION ALL " + self._held_marker(queue_of))
+
+    @cached_property
+    def job_claim_one_queue_limited(self) -> sql.Composed:
+        return self._job_claim_limited_alone(self._next_due_one_queue(limited=True),
+                                             self._in_one_queue)
+
+    @cached_property
+    def job_claim_many_queues_limited(self) -> sql.Composed:
+        return self._job_claim_limited_alone(self._next_due_many_queues(limited=True),
+                                             self._in_many_queues)
 
     # Writing outcomes, one statement per flush for every outcome kind. Each row is fenced on
     # (status, locked_by, attempts): a worker presumed dead cannot overwrite a newer attempt.
@@ -117,7 +223,7 @@ class WorkerStatements(Role):
         " archived AS ("
         "  INSERT INTO {s}.jobs_history ({h})"
         "  SELECT id, queue, task, payload, 'done', priority, run_at, attempts,"
-        "    max_attempts, dedup_key, locked_by, last_error, created_at, now()"
+        "    max_attempts, dedup_key, locked_by, last_error, created_at, now(), key"
         "  FROM finished RETURNING id),"
         " updated AS ("
         "  UPDATE {s}.jobs j SET"
@@ -158,11 +264,34 @@ class WorkerStatements(Role):
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_one_queue(self) -> sql.Composed:
-        return self._job_set_outcome_then_claim(self._next_due_one_queue)
+        return self._job_set_outcome_then_claim(self._next_due_one_queue())
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_many_queues(self) -> sql.Composed:
-        return self._job_set_outcome_then_claim(self._next_due_many_queues)
+        return self._job_set_outcome_then_claim(self._next_due_many_queues())
+
+    def _job_set_outcome_then_claim_limited(self, next_due: str,
+                                            queue_of: Callable[[str], str]) -> sql.Composed:
+        # The rows this statement finishes free their slots for its own claim: a key's next
+        # job starts in the flush that completes the one before it.
+        nulls = ", NULL" * CLAIM_COLUMNS.count(",")
+        return self._compose(
+            "WITH " + self._OUTCOME_CTES + ", "
+            + self._job_claim_limited(next_due, "ARRAY(SELECT id FROM o)", queue_of)
+            + " SELECT true, {c} FROM claimed"
+            " UNION ALL SELECT NULL, m.* FROM (" + self._held_marker(queue_of) + ") m"
+            f" UNION ALL SELECT false, id{nulls} FROM archived"
+            f" UNION ALL SELECT false, id{nulls} FROM updated")
+
+    @cached_property
+    def job_set_outcome_if_running_many_then_claim_one_queue_limited(self) -> sql.Composed:
+        return self._job_set_outcome_then_claim_limited(
+            self._next_due_one_queue(limited=True), self._in_one_queue)
+
+    @cached_property
+    def job_set_outcome_if_running_many_then_claim_many_queues_limited(self) -> sql.Composed:
+        return self._job_set_outcome_then_claim_limited(
+            self._next_due_many_queues(limited=True), self._in_many_queues)
 
     @property
     def job_heartbeat_many(self) -> sql.Composed:
@@ -252,7 +381,7 @@ class WorkerStatements(Role):
     @property
     def job_claim_one_queue_prepare(self) -> sql.Composed:
         # The placeholders are this module's own, swapped in the template before composing.
-        template = self._job_claim_update(self._next_due_one_queue)
+        template = self._job_claim_update(self._next_due_one_queue())
         for placeholder, position in (("%(worker)s", "$1"), ("%(queue)s", "$2"),
                                       ("%(limit)s", "$3")):
             template = template.replace(placeholder, position)

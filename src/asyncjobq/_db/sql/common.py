@@ -15,12 +15,12 @@ CLAIM_COLUMNS = (
 # Columns of JobInfo, in this order.
 INFO_COLUMNS = (
     "id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "
-    "created_at, finished_at, payload"
+    "created_at, finished_at, payload, key"
 )
 # Columns shared by jobs and jobs_history, for moving a finished row.
 HISTORY_COLUMNS = (
     "id, queue, task, payload, status, priority, run_at, attempts, max_attempts, "
-    "dedup_key, locked_by, last_error, created_at, finished_at"
+    "dedup_key, locked_by, last_error, created_at, finished_at, key"
 )
 
 

@@ -23,7 +23,13 @@ class EnqueueStatements(Role):
     def job_insert_traced(self) -> sql.Composed:
         return self._job_insert(traced=True)
 
-    def _job_insert(self, *, traced: bool) -> sql.Composed:
+    @property
+    def job_insert_keyed(self) -> sql.Composed:
+        # enqueue(key=...): the key column exists from schema version 7 on, so only keyed jobs
+        # name it (and, to keep the twins few, the trace context too, NULL when untraced).
+        return self._job_insert(traced=True, keyed=True)
+
+    def _job_insert(self, *, traced: bool, keyed: bool = False) -> sql.Composed:
         # A live duplicate dedup_key returns the existing job's id (and false: not a new job,
         # for on_enqueued). DO NOTHING (not a no-op DO UPDATE) keeps producers free of UPDATE
         # privilege; when the duplicate was committed after this statement's snapshot, no id
@@ -31,11 +37,13 @@ class EnqueueStatements(Role):
         return _q(
             "WITH ins AS ("
             " INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts,"
-            "   dedup_key" + (", trace_context" if traced else "") + ")"
+            "   dedup_key" + (", trace_context" if traced else "")
+            + (", key" if keyed else "") + ")"
             " VALUES (%(task)s, %(payload)s, %(queue)s, %(priority)s,"
             "   coalesce(%(run_at)s, now()) + make_interval(secs => %(delay)s),"
             "   %(max_attempts)s, %(dedup_key)s"
-            + (", %(trace)s::jsonb" if traced else "") + ")"
+            + (", %(trace)s::jsonb" if traced else "")
+            + (", %(key)s" if keyed else "") + ")"
             " ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL"
             "   AND status IN ('queued', 'running') DO NOTHING"
             " RETURNING id)"
@@ -78,6 +86,22 @@ class EnqueueStatements(Role):
     @property
     def job_insert_many_traced(self) -> sql.Composed:
         return self._job_insert_many(traced=True)
+
+    @property
+    def job_insert_many_keyed(self) -> sql.Composed:
+        # enqueue_many(keys=[...]): the keys, a JSON array beside the payloads' (null: no
+        # key), zipped by ROWS FROM. The trace context is NULL when untraced.
+        return _q(
+            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts,"
+            "   trace_context, key)"
+            " SELECT %s, p, %s, %s, coalesce(%s, now()) + make_interval(secs => %s), %s,"
+            "   %s::jsonb, k"
+            " FROM ROWS FROM (jsonb_array_elements(%s::jsonb),"
+            "   jsonb_array_elements_text(%s::jsonb))"
+            "   WITH ORDINALITY AS t(p, k, n) ORDER BY n"
+            " RETURNING id",
+            self.schema,
+        )
 
     def _job_insert_many(self, *, traced: bool) -> sql.Composed:
         # One statement for any number of payloads, sent as one JSON array: parsing one
