@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
 import pytest
 from conftest import ROOT, WorkerProcess, fetchval, run_cli, running, spawn_worker, wait_for
 
@@ -115,6 +116,7 @@ async def test_a_killed_workers_slots_come_back_after_its_lease(
                                       " WHERE status = 'running'")) == 3
         await wait_for(three_running, 20, what="three jobs running")
         first.send_signal(signal.SIGKILL)
+        killed_at = time.time()
         first.communicate(timeout=10)
     # The three slots stay taken until the lease expires and the jobs are reaped: the
     # other jobs cannot start before that, and all start after it.
@@ -125,6 +127,8 @@ async def test_a_killed_workers_slots_come_back_after_its_lease(
     rows = Run(log).rows("limited")
     assert sorted(seq for _, seq, *_ in rows) == [0, 1, 2, 10, 11, 12, 13, 14]
     assert peak_overlap([(s, e) for _, _, s, e, _ in rows]) <= 3
+    # The dead worker's rows held the slots until their lease (2 s) was over.
+    assert min(s for _, seq, s, _, _ in rows if seq >= 10) >= killed_at + 1.5
     attempts = await fetchval(queue, "SELECT array_agg(attempts ORDER BY id) FROM"
                               " {s}.jobs_history")
     assert sorted(attempts) == [1] * 5 + [2] * 3
@@ -201,6 +205,9 @@ async def test_held_jobs_burn_no_attempt_and_status_shows_limits(
                   env={"ASYNCJOBQ_TEST_SCHEMA": queue.schema})
     assert out.returncode == 0, out.stderr
     limits = json.loads(out.stdout)["limits"]
+    wrong = run_cli("status", APP, "--schema", "elsewhere", dsn=pg_dsn,
+                    env={"ASYNCJOBQ_TEST_SCHEMA": queue.schema})
+    assert wrong.returncode == 2 and "drop --schema" in wrong.stderr, wrong.stderr
     assert limits["limited"]["concurrency_limit"] == 3
     assert limits["limited"]["running"] == 0
     assert limits["rated"]["rate_limit"] == "50/s"
@@ -274,3 +281,40 @@ async def test_the_readme_example_runs_each_accounts_transfers_in_order(
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["limits"]["send_mail"]["rate_limit"] == "14/s"
+
+
+async def test_a_retried_job_keeps_its_key_until_its_next_attempt_ends(queue: Queue) -> None:
+    events: list[tuple[str, int, int]] = []
+
+    @queue.task(name="step", key_limit=1, backoff=lambda n: 0.0)
+    async def step(job: Job) -> None:
+        events.append(("start", job.payload["seq"], job.attempt))
+        await asyncio.sleep(0.02)
+        events.append(("end", job.payload["seq"], job.attempt))
+        if job.payload["seq"] == 0 and job.attempt == 1:
+            raise RuntimeError("first attempt fails, retried at once")
+
+    await queue.enqueue_many("step", [{"seq": i} for i in range(3)], keys=["k"] * 3)
+    async with running(Worker(queue, concurrency=5)):
+        await wait_for(lambda: len(events) == 8, 20, what="four attempts")
+    assert events == [("start", 0, 1), ("end", 0, 1), ("start", 0, 2), ("end", 0, 2),
+                      ("start", 1, 1), ("end", 1, 1), ("start", 2, 1), ("end", 2, 1)]
+
+
+async def test_limits_refuse_to_run_outside_read_committed(queue: Queue) -> None:
+    @queue.task(name="one", concurrency_limit=1)
+    async def one(job: Job) -> None:
+        pass
+
+    await queue.enqueue("one", {})
+    params = {"queue": "default", "worker": "w", "limit": 5,
+              "limits": json.dumps({"one": {"c": 1}})}
+    async with queue.connection() as conn:
+        await conn.execute("SET default_transaction_isolation = 'repeatable read'")
+        with pytest.raises(psycopg.errors.RaiseException, match="isolation level repeatable"):
+            await conn.execute(queue.sql.job_claim_one_queue_limited, params)
+        await conn.rollback()
+        await conn.execute("SET default_transaction_isolation = 'read committed'")
+        cur = await conn.execute(queue.sql.job_claim_one_queue_limited, params)
+        assert len(await cur.fetchall()) == 1
+        await conn.rollback()

@@ -384,8 +384,14 @@ def status(app: str | None, as_json: bool, lease: float, dsn: str | None, schema
                 await q.paused(), await q.limits())
 
     if app is not None:
-        _app_param(click.get_current_context(), click.Argument(["app"]), app)
+        ctx = click.get_current_context()
+        _app_param(ctx, click.Argument(["app"]), app)
         app_queue = load_app(app)
+        if (ctx.get_parameter_source("schema") == click.core.ParameterSource.COMMANDLINE
+                and schema != app_queue.schema):
+            raise click.UsageError(
+                f"--schema {schema} but {app} uses schema {app_queue.schema}: status APP reads "
+                "the app's schema; drop --schema, or set the schema in the app's Queue(...)")
         if dsn is not None:
             app_queue.set_dsn(dsn)
         schema = app_queue.schema

@@ -887,10 +887,12 @@ def _unstorable_string(value: object) -> str | None:
 
 
 def _check_key(what: str, key: object) -> None:
+    # Bytes, not characters: the key is in an index entry (0007_flow_control.sql), whose
+    # size PostgreSQL caps near 2,700 bytes.
     if key is not None and (not isinstance(key, str) or not key or len(key) > 1000
-                            or not _storable(key)):
+                            or not _storable(key) or len(key.encode()) > 1000):
         raise ConfigurationError(f"{what}={key!r}: use a non-empty string of at most 1000 "
-                                 "characters without NUL or unpaired surrogates (e.g. "
+                                 "bytes (UTF-8) without NUL or unpaired surrogates (e.g. "
                                  "\"account:42\"), or None")
 
 

@@ -128,6 +128,10 @@ class Fetcher:
         # no limited task, the plain claim.
         self._limits = json.dumps(limits, sort_keys=True) if limits else None
         self.held_back = 0  # rows limits held back, summed over claims
+        # While claims come back short only because their scans step over rows a limit
+        # holds (a full task, busy keys), they are retried after this long, doubling up to
+        # poll_interval: a limit that stays full costs a claim a poll_interval.
+        self._held_retry = HELD_RETRY
 
     @property
     def single_queue(self) -> bool:
@@ -173,6 +177,8 @@ class Fetcher:
                 trace_context=r[9])
             for r in rows if r[0] is not None
         ]
+        if jobs:
+            self._held_retry = HELD_RETRY
         for r in rows:
             if r[0] is None:  # a limited claim held r[4] rows back (sql/claim.py)
                 self._held_back_until(r[4], r[7])
@@ -184,8 +190,13 @@ class Fetcher:
         # A rate limit says when its next start is free; a concurrency or key limit's slot
         # frees when a job ends, which only its worker's own next claim sees at once.
         self.held_back += held
-        delay = (min(self._poll_interval, HELD_RETRY) if retry_at is None
-                 else max(0.0, retry_at.timestamp() - time.time()))
+        if retry_at is not None:
+            delay = max(0.0, retry_at.timestamp() - time.time())
+        elif held:
+            delay = min(self._poll_interval, HELD_RETRY)
+        else:
+            delay = min(self._poll_interval, self._held_retry)
+            self._held_retry = min(self._poll_interval, 2 * self._held_retry)
         self.wakeup.at(time.monotonic() + delay)
 
     def _statement(self, one_queue: sql.Composed, many_queues: sql.Composed) -> sql.Composed:

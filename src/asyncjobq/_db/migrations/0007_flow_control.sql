@@ -13,9 +13,12 @@ ALTER TABLE jobs_history ADD COLUMN key text;
 ALTER TABLE jobs ADD COLUMN flow boolean NOT NULL DEFAULT false;
 
 CREATE INDEX jobs_flow_running_idx ON jobs (task, key) WHERE status = 'running' AND flow;
--- The first waiting jobs of a key, in claim order: a key's next job is its head.
+-- A key's first new waiting jobs, in claim order: its next job is their head.
 CREATE INDEX jobs_key_queued_idx ON jobs (task, key, priority DESC, run_at, id)
-  WHERE status = 'queued' AND key IS NOT NULL;
+  WHERE status = 'queued' AND key IS NOT NULL AND attempts = 0;
+-- A key's jobs waiting for another attempt: they keep their key's slot (flow_admit).
+CREATE INDEX jobs_key_retrying_idx ON jobs (task, key)
+  WHERE status = 'queued' AND key IS NOT NULL AND attempts > 0;
 
 -- Starts of rate-limited tasks, a sliding log: a rate limit of N per period admits a start
 -- while fewer than N were logged in the last period. Pruned by the claims that read it.
@@ -34,19 +37,20 @@ CREATE INDEX flow_starts_idx ON flow_starts (task, started_at);
 -- claim's scan already left out rows its snapshot showed over a limit; this is the decision
 -- that holds under races. Its locks serialise the claims of one limited task (or key) until
 -- they commit, and, being VOLATILE, each of its queries reads a fresh snapshot: what every
--- earlier claim committed, and what this statement wrote so far. Rows of `outgoing`, held by
--- `worker` and finished by the same statement (a completion folded with the claim), no
--- longer count as running. Returns the admitted ids, how many candidates were held back, and
--- when the first rate-limited one may start.
+-- earlier claim committed. The attempts of `out_ids`/`out_attempts`, held by `worker` and
+-- ended by the same statement (a completion folded with the claim), no longer run; those of
+-- them `out_final` (done, failed) no longer hold their key either. Returns the admitted ids,
+-- how many candidates were held back, and when the first rate-limited one may start.
 CREATE FUNCTION flow_admit(
-  ids bigint[], limits jsonb, outgoing bigint[], worker text,
-  OUT admitted bigint[], OUT held int, OUT retry_at timestamptz)
+  ids bigint[], limits jsonb, out_ids bigint[], out_attempts int[], out_final boolean[],
+  worker text, OUT admitted bigint[], OUT held int, OUT retry_at timestamptz)
 LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $$
 DECLARE
   c record;
   lim jsonb;
   t0 timestamptz;
-  -- Counts so far, per limit: running (or logged) before this call, plus admitted by it.
+  -- Counts so far, per limit: running (or logged, or holding a key) before this call, plus
+  -- admitted by it.
   used jsonb := '{}';
   name text;
   n bigint;
@@ -56,6 +60,14 @@ DECLARE
   head bigint[];
   rated text[] := '{}';
 BEGIN
+  -- Each query below must see what other claims committed while this one waited for its
+  -- locks: only READ COMMITTED gives each its own snapshot.
+  IF current_setting('transaction_isolation') <> 'read committed' THEN
+    RAISE EXCEPTION 'asyncjobq: a claim with limits ran at isolation level %, where limits '
+      'cannot hold', current_setting('transaction_isolation')
+      USING HINT = 'set default_transaction_isolation to ''read committed'' for the workers'' '
+                   'role or database (ALTER ROLE ... SET default_transaction_isolation ...)';
+  END IF;
   admitted := '{}';
   held := 0;
   -- Every lock this call needs, first and in one order: two claims taking them in candidate
@@ -72,7 +84,7 @@ BEGIN
   -- waiting for them.
   t0 := clock_timestamp();
 
-  FOR c IN SELECT j.id, j.task, j.key, j.priority, j.run_at FROM jobs j
+  FOR c IN SELECT j.id, j.task, j.key, j.priority, j.run_at, j.attempts FROM jobs j
             WHERE j.id = ANY(ids) ORDER BY j.priority DESC, j.run_at, j.id LOOP
     lim := limits -> c.task;
     IF lim IS NULL THEN
@@ -84,9 +96,13 @@ BEGIN
       name := jsonb_build_array('c', c.task)::text;
       n := (used ->> name)::bigint;
       IF n IS NULL THEN
+        -- Rows this statement's completions finish (the same attempt, held by this worker)
+        -- no longer run.
         SELECT count(*) INTO n FROM jobs r
          WHERE r.task = c.task AND r.status = 'running' AND r.flow
-           AND NOT (r.id = ANY(outgoing) AND r.locked_by = worker);
+           AND NOT (r.locked_by = worker AND EXISTS (
+             SELECT FROM unnest(out_ids, out_attempts) AS o(id, attempt)
+              WHERE o.id = r.id AND o.attempt = r.attempts));
         used := used || jsonb_build_object(name, n);
       END IF;
       IF n >= (lim ->> 'c')::bigint THEN
@@ -103,7 +119,7 @@ BEGIN
       n := (used ->> name)::bigint;
       IF n IS NULL THEN
         DELETE FROM flow_starts s WHERE s.task = c.task AND s.started_at <= t0 - period;
-        SELECT count(*), min(s.started_at) INTO n, oldest FROM flow_starts s
+        SELECT count(*) INTO n FROM flow_starts s
          WHERE s.task = c.task AND s.started_at > t0 - period;
         used := used || jsonb_build_object(name, n);
       END IF;
@@ -118,27 +134,43 @@ BEGIN
 
     IF c.key IS NOT NULL AND lim ? 'k' THEN
       name := jsonb_build_array('k', c.task, c.key)::text;
+      cap := (lim ->> 'k')::bigint;
       n := (used ->> name)::bigint;
       IF n IS NULL THEN
+        -- A key's holders: its running jobs (but those this statement finishes for good,
+        -- done or failed), and its jobs waiting for another attempt: a job being retried
+        -- keeps its place, the key's next job waits for it.
         SELECT count(*) INTO n FROM jobs r
          WHERE r.task = c.task AND r.key = c.key AND r.status = 'running' AND r.flow
-           AND NOT (r.id = ANY(outgoing) AND r.locked_by = worker);
-        used := used || jsonb_build_object(name, n);
-        used := used || jsonb_build_object(name || ' running', n);
+           AND NOT (r.locked_by = worker AND EXISTS (
+             SELECT FROM unnest(out_ids, out_attempts, out_final) AS o(id, attempt, final)
+              WHERE o.id = r.id AND o.attempt = r.attempts AND o.final));
+        n := n + (SELECT count(*) FROM jobs q
+                   WHERE q.task = c.task AND q.key = c.key AND q.status = 'queued'
+                     AND q.attempts > 0);
+        used := used || jsonb_build_object(name, n, name || ' before', n);
       END IF;
-      cap := (lim ->> 'k')::bigint;
-      -- The key's first due waiting jobs, as many as it has free slots: a job starts only
-      -- from there, so one key's jobs start in claim order (priority, run_at, id).
-      SELECT array_agg(e.id) INTO head FROM (
-        SELECT e.id FROM jobs e
-         WHERE e.task = c.task AND e.key = c.key AND e.status = 'queued' AND e.run_at <= t0
-         ORDER BY e.priority DESC, e.run_at, e.id
-         LIMIT greatest(0, cap - (used ->> (name || ' running'))::bigint)) e;
-      IF n >= cap OR NOT c.id = ANY(coalesce(head, '{}')) THEN
-        held := held + 1;
-        CONTINUE;
+      IF c.attempts > 0 THEN
+        -- A holder already: it may run when the key's other holders leave it room.
+        IF n - 1 >= cap THEN
+          held := held + 1;
+          CONTINUE;
+        END IF;
+      ELSE
+        -- A new job starts from the key's first due new jobs, as many as the key has free
+        -- slots: one key's jobs start in claim order (priority, run_at, id).
+        SELECT array_agg(e.id) INTO head FROM (
+          SELECT e.id FROM jobs e
+           WHERE e.task = c.task AND e.key = c.key AND e.status = 'queued'
+             AND e.attempts = 0 AND e.run_at <= t0
+           ORDER BY e.priority DESC, e.run_at, e.id
+           LIMIT greatest(0, cap - (used ->> (name || ' before'))::bigint)) e;
+        IF n >= cap OR NOT c.id = ANY(coalesce(head, '{}')) THEN
+          held := held + 1;
+          CONTINUE;
+        END IF;
+        used := used || jsonb_build_object(name, n + 1);
       END IF;
-      used := used || jsonb_build_object(name, n + 1);
     END IF;
 
     IF lim ? 'c' THEN

@@ -10,23 +10,35 @@ from psycopg import sql
 
 from .common import CLAIM_COLUMNS, Role, _q
 
+# Not ended by this statement: a running row r of this worker whose attempt a completion
+# folded into the same statement finishes no longer runs (flow_out; for a key, `final` ones
+# only: a retried job keeps its key).
+_NOT_ENDED_HERE = (
+    "NOT (r.locked_by = %(worker)s AND EXISTS (SELECT FROM flow_out f,"
+    " unnest(f.ids, f.attempts, f.final) AS o(id, attempt, final)"
+    " WHERE o.id = r.id AND o.attempt = r.attempts{final}))")
+
 # The limited claim's scan (alias j): a row of a limited task is left out when its snapshot
 # shows the task full (flow_sat) or the row past its key's free slots. Only a filter: what
 # starts is flow_admit's decision (0007_flow_control.sql).
 _FLOW_FILTER = (
     "    AND (NOT %(limits)s::jsonb ? j.task OR ("
     "     j.task <> ALL((SELECT tasks FROM flow_sat)::text[])"
-    "     AND (j.key IS NULL OR NOT (%(limits)s::jsonb -> j.task) ? 'k'"
+    "     AND (j.key IS NULL OR j.attempts > 0 OR NOT (%(limits)s::jsonb -> j.task) ? 'k'"
     "      OR j.id = ANY(ARRAY(SELECT e.id FROM {s}.jobs e"
     "       WHERE e.task = j.task AND e.key = j.key AND e.status = 'queued'"
-    "         AND e.run_at <= now()"
+    "         AND e.attempts = 0 AND e.run_at <= now()"
     "       ORDER BY e.priority DESC, e.run_at, e.id"
     "       LIMIT greatest(0, (%(limits)s::jsonb -> j.task ->> 'k')::bigint"
     "         - (SELECT count(*) FROM {s}.jobs r"
     "            WHERE r.task = j.task AND r.key = j.key AND r.status = 'running' AND r.flow"
-    "              AND NOT (r.id = ANY((SELECT ids FROM flow_out)::bigint[])"
-    "                       AND r.locked_by = %(worker)s))))))))"
+    "              AND " + _NOT_ENDED_HERE.format(final=" AND o.final") + ")"
+    "         - (SELECT count(*) FROM {s}.jobs q WHERE q.task = j.task AND q.key = j.key"
+    "            AND q.status = 'queued' AND q.attempts > 0)))))))"
 )
+# Rows a limited claim's scan examines per priority at most: past a backlog this long of
+# rows it must step over (a full task, busy keys), it claims nothing and waits.
+_FLOW_SCAN = 1000
 
 
 class WorkerStatements(Role):
@@ -71,11 +83,29 @@ class WorkerStatements(Role):
             "   ORDER BY j.priority DESC LIMIT 1)"
             "  FROM p WHERE p.priority IS NOT NULL)"
             " SELECT n.id, n.priority, n.run_at FROM p CROSS JOIN LATERAL ("
-            "  SELECT id, priority, run_at FROM {s}.jobs j"
-            f"  WHERE queue = {queue} AND status = 'queued' AND priority = p.priority"
-            "    AND run_at <= now()" + (_FLOW_FILTER if limited else "") +
-            "  ORDER BY run_at, id LIMIT %(limit)s"
-            "  FOR NO KEY UPDATE SKIP LOCKED) n"
+            + (
+                # The scan stops at the _FLOW_SCAN-th due row of the priority (b), found by
+                # an index-only walk: rows it steps over cost a filter each, and a backlog of
+                # held rows would otherwise be walked whole by every claim.
+                "  SELECT * FROM ((SELECT run_at AS b_run_at, id AS b_id FROM {s}.jobs"
+                f"   WHERE queue = {queue} AND status = 'queued' AND priority = p.priority"
+                f"     AND run_at <= now() ORDER BY run_at, id OFFSET {_FLOW_SCAN - 1} LIMIT 1)"
+                "  UNION ALL (SELECT 'infinity'::timestamptz, 9223372036854775807::bigint))"
+                "  AS u LIMIT 1) b"
+                " CROSS JOIN LATERAL ("
+                "  SELECT j.id, j.priority, j.run_at FROM {s}.jobs j"
+                f"  WHERE j.queue = {queue} AND j.status = 'queued' AND j.priority = p.priority"
+                "    AND j.run_at <= now() AND (j.run_at, j.id) <= (b.b_run_at, b.b_id)"
+                + _FLOW_FILTER +
+                "  ORDER BY j.run_at, j.id LIMIT %(limit)s"
+                "  FOR NO KEY UPDATE OF j SKIP LOCKED) n"
+                if limited else
+                "  SELECT id, priority, run_at FROM {s}.jobs"
+                f"  WHERE queue = {queue} AND status = 'queued' AND priority = p.priority"
+                "    AND run_at <= now()"
+                "  ORDER BY run_at, id LIMIT %(limit)s"
+                "  FOR NO KEY UPDATE SKIP LOCKED) n"
+            ) +
             " LIMIT %(limit)s"
         )
 
@@ -114,28 +144,32 @@ class WorkerStatements(Role):
     # `priority` column) and when the first rate-limited one may start (`run_at`).
 
     @staticmethod
-    def _job_claim_limited(next_due: str, outgoing: str, queue_of: Callable[[str], str]) -> str:
+    def _job_claim_limited(next_due: str, outgoing: str,
+                           queue_of: Callable[[str], str]) -> str:
         # queue_of("e"): the condition that row e is in a queue this claim serves.
         return (
-            "flow_out AS (SELECT " + outgoing + " AS ids),"
+            "flow_out AS (SELECT " + outgoing + "),"
+            # Tasks over a limit in this snapshot, and when the first full rate window frees.
             " flow_sat AS MATERIALIZED ("
-            "  SELECT coalesce(array_agg(l.task), '{{}}') AS tasks"
+            "  SELECT coalesce(array_agg(l.task) FILTER (WHERE x.cf OR x.rf), '{{}}') AS tasks,"
+            "   min(x.free_at) FILTER (WHERE x.rf) AS retry_at"
             "  FROM jsonb_each(%(limits)s::jsonb) AS l(task, v)"
-            "  WHERE (v ? 'c' AND (SELECT count(*) FROM {s}.jobs r"
+            "  CROSS JOIN LATERAL (SELECT"
+            "   v ? 'c' AND (SELECT count(*) FROM {s}.jobs r"
             "    WHERE r.task = l.task AND r.status = 'running' AND r.flow"
-            "      AND NOT (r.id = ANY((SELECT ids FROM flow_out)::bigint[])"
-            "               AND r.locked_by = %(worker)s)"
-            "    ) >= (v ->> 'c')::bigint)"
-            "   OR (v ? 'r' AND (SELECT count(*) FROM {s}.flow_starts s"
-            "    WHERE s.task = l.task AND s.started_at > clock_timestamp()"
-            "      - make_interval(secs => (v -> 'r' ->> 1)::float8 + 0.05)"
-            "    ) >= (v -> 'r' ->> 0)::bigint)),"
-            # The next job of each key this statement's completions free comes first: a key's
+            "      AND " + _NOT_ENDED_HERE.format(final="") + ") >= (v ->> 'c')::bigint AS cf,"
+            "   st.n >= (v -> 'r' ->> 0)::bigint AS rf,"
+            "   st.oldest + make_interval(secs => (v -> 'r' ->> 1)::float8 + 0.05) AS free_at"
+            "   FROM (SELECT count(*) AS n, min(s.started_at) AS oldest FROM {s}.flow_starts s"
+            "    WHERE v ? 'r' AND s.task = l.task AND s.started_at > clock_timestamp()"
+            "      - make_interval(secs => (v -> 'r' ->> 1)::float8 + 0.05)) st) x),"
+            # The next job of each key this statement's completions end comes first: a key's
             # jobs then follow one another in the worker that ran the last one, in the flush
             # that ends it, where another worker would only find it at its next claim.
             " flow_next AS ("
-            "  SELECT h.id FROM (SELECT DISTINCT f.task, f.key FROM {s}.jobs f"
-            "    WHERE f.id = ANY((SELECT ids FROM flow_out)::bigint[]) AND f.key IS NOT NULL"
+            "  SELECT h.id FROM (SELECT DISTINCT f.task, f.key FROM {s}.jobs f, flow_out fo,"
+            "    unnest(fo.ids, fo.final) AS o(id, final)"
+            "    WHERE f.id = o.id AND o.final AND f.key IS NOT NULL"
             "      AND (%(limits)s::jsonb -> f.task) ? 'k') k"
             "  CROSS JOIN LATERAL (SELECT e.id FROM {s}.jobs e"
             "    WHERE e.task = k.task AND e.key = k.key AND e.status = 'queued'"
@@ -145,7 +179,8 @@ class WorkerStatements(Role):
             " flow_adm AS MATERIALIZED ("
             "  SELECT * FROM {s}.flow_admit(ARRAY("
             "    SELECT id FROM (SELECT id FROM flow_next UNION ALL " + next_due + ") c"
-            "    LIMIT %(limit)s), %(limits)s::jsonb, (SELECT ids FROM flow_out), %(worker)s)),"
+            "    LIMIT %(limit)s), %(limits)s::jsonb, (SELECT ids FROM flow_out),"
+            "    (SELECT attempts FROM flow_out), (SELECT final FROM flow_out), %(worker)s)),"
             " claimed AS ("
             "  UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
             "   locked_at = now(), attempts = attempts + 1, flow = %(limits)s::jsonb ? task"
@@ -161,7 +196,8 @@ class WorkerStatements(Role):
         # would be text.
         return (
             "SELECT NULL::bigint, NULL::text, NULL::text, NULL::jsonb, held,"
-            " NULL::int, NULL::int, retry_at, NULL::timestamptz, NULL::jsonb"
+            " NULL::int, NULL::int, least(retry_at, (SELECT retry_at FROM flow_sat)),"
+            " NULL::timestamptz, NULL::jsonb"
             " FROM flow_adm WHERE held > 0 OR (cardinality(admitted) < %(limit)s"
             "  AND EXISTS (SELECT FROM {s}.jobs w WHERE " + queue_of("w") +
             "   AND w.status = 'queued' AND w.run_at <= now() AND %(limits)s::jsonb ? w.task"
@@ -180,7 +216,9 @@ class WorkerStatements(Role):
     def _job_claim_limited_alone(self, next_due: str,
                                  queue_of: Callable[[str], str]) -> sql.Composed:
         return self._compose(
-            "WITH " + self._job_claim_limited(next_due, "'{{}}'::bigint[]", queue_of)
+            "WITH " + self._job_claim_limited(
+                next_due, "'{{}}'::bigint[] AS ids, '{{}}'::int[] AS attempts,"
+                " '{{}}'::boolean[] AS final", queue_of)
             + " SELECT {c} FROM claimed UNION ALL " + self._held_marker(queue_of))
 
     @cached_property
@@ -277,7 +315,11 @@ class WorkerStatements(Role):
         nulls = ", NULL" * CLAIM_COLUMNS.count(",")
         return self._compose(
             "WITH " + self._OUTCOME_CTES + ", "
-            + self._job_claim_limited(next_due, "ARRAY(SELECT id FROM o)", queue_of)
+            + self._job_claim_limited(
+                next_due, "ARRAY(SELECT id FROM o ORDER BY id, attempt) AS ids,"
+                " ARRAY(SELECT attempt FROM o ORDER BY id, attempt) AS attempts,"
+                " ARRAY(SELECT kind IN ('done', 'failed') FROM o ORDER BY id, attempt) AS final",
+                queue_of)
             + " SELECT true, {c} FROM claimed"
             " UNION ALL SELECT NULL, m.* FROM (" + self._held_marker(queue_of) + ") m"
             f" UNION ALL SELECT false, id{nulls} FROM archived"
