@@ -1,0 +1,147 @@
+"""Browsing jobs (the dashboard's reads and actions, through Queue): a keyset page of jobs by
+filter, counts by filter, one job in full, retry of one job, cancel by filter, throughput per
+minute and the workers seen lately.
+
+Filters are composed into the statement only when given (never `%s IS NULL OR col = %s`):
+psycopg prepares a statement after a few runs, and a generic plan of an optional filter cannot
+pick the index that the filter needs.
+"""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from .common import HISTORY_COLUMNS, Role
+
+# Columns of JobSummary (job.py), in this order: no payload, the error cut short.
+SUMMARY_COLUMNS = ("id, task, queue, status, attempts, max_attempts, priority, run_at, "
+                   "left(last_error, 300), created_at, finished_at")
+# Columns of JobDetail: JobInfo's, then the worker, its lock time and the dedup key.
+DETAIL_COLUMNS = ("id, task, queue, status, attempts, max_attempts, priority, run_at, "
+                  "last_error, created_at, finished_at, payload, locked_by, {locked_at}, "
+                  "dedup_key")
+
+
+def _and(*conditions: tuple[bool, str]) -> sql.SQL:
+    return sql.SQL("".join(f" AND {text}" for given, text in conditions if given))
+
+
+class BrowseStatements(Role):
+    def job_page(self, *, queue: bool, task: bool) -> sql.Composed:
+        # Newest first, `id < before`. The live table (queued, running, failed) is read by its
+        # primary key, backwards. History is read per (queue, status) pair that has rows (from
+        # history_counts: a few rows) through jobs_history_queue_browse_idx, or per status
+        # through jobs_history_task_browse_idx when a task is given: each branch stops after
+        # `limit` rows, so a page costs at most pairs x limit index entries at any history size.
+        hot = _and((queue, "j.queue = %(queue)s"), (task, "j.task = %(task)s"))
+        if task:
+            pairs = sql.SQL("SELECT unnest(%(statuses)s::text[])::{s}.job_status AS status")
+            branch = _and((True, "h.status = p.status"), (True, "h.task = %(task)s"),
+                          (queue, "h.queue = %(queue)s"))
+        else:
+            pairs = sql.SQL(
+                "SELECT queue, status FROM {s}.history_counts"
+                " WHERE status::text = ANY(%(statuses)s::text[])" + _and(
+                    (queue, "queue = %(queue)s")).as_string(None)
+                + " GROUP BY queue, status HAVING sum(n) > 0")
+            branch = _and((True, "h.queue = p.queue"), (True, "h.status = p.status"))
+        return sql.SQL(
+            "WITH hot AS (SELECT {cols} FROM {s}.jobs j"
+            "   WHERE j.status::text = ANY(%(statuses)s::text[]) AND j.id < %(before)s{hot}"
+            "   ORDER BY j.id DESC LIMIT %(limit)s),"
+            " pairs AS ({pairs}),"
+            " old AS (SELECT h.* FROM pairs p CROSS JOIN LATERAL ("
+            "   SELECT {cols} FROM {s}.jobs_history h WHERE h.id < %(before)s{branch}"
+            "   ORDER BY h.id DESC LIMIT %(limit)s) h)"
+            " SELECT * FROM (SELECT * FROM hot UNION ALL SELECT * FROM old) page"
+            " ORDER BY id DESC LIMIT %(limit)s"
+        ).format(cols=sql.SQL(SUMMARY_COLUMNS), s=sql.Identifier(self.schema), hot=hot,
+                 pairs=pairs.format(s=sql.Identifier(self.schema)), branch=branch)
+
+    def job_count(self, *, queue: bool, task: bool) -> sql.Composed:
+        # The live table is counted; history is summed from history_counts (exact, a few rows)
+        # unless a task is given, which only its index can count.
+        hot = _and((queue, "queue = %(queue)s"), (task, "task = %(task)s"))
+        if task:
+            old = sql.SQL("SELECT count(*) FROM {s}.jobs_history"
+                          " WHERE status::text = ANY(%(statuses)s::text[]){f}").format(
+                s=sql.Identifier(self.schema), f=hot)
+        else:
+            old = sql.SQL("SELECT coalesce(sum(n), 0) FROM {s}.history_counts"
+                          " WHERE status::text = ANY(%(statuses)s::text[]){f}").format(
+                s=sql.Identifier(self.schema), f=hot)
+        return sql.SQL(
+            "SELECT (SELECT count(*) FROM {s}.jobs"
+            "   WHERE status::text = ANY(%(statuses)s::text[]){hot}) + ({old})"
+        ).format(s=sql.Identifier(self.schema), hot=hot, old=old)
+
+    @property
+    def job_detail_by_id(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT {hot} FROM {s}.jobs WHERE id = %(id)s"
+            " UNION ALL SELECT {old} FROM {s}.jobs_history WHERE id = %(id)s LIMIT 1"
+        ).format(hot=sql.SQL(DETAIL_COLUMNS.format(locked_at="locked_at")),
+                 old=sql.SQL(DETAIL_COLUMNS.format(locked_at="NULL::timestamptz")),
+                 s=sql.Identifier(self.schema))
+
+    @property
+    def job_retry_one(self) -> sql.Composed:
+        # As job_retry_failed for one job: not while a live job holds its dedup_key (that
+        # would break jobs_dedup_idx); a live job committed after the snapshot raises
+        # UniqueViolation, and the caller runs it again.
+        return self._compose(
+            "WITH requeued AS ("
+            " UPDATE {s}.jobs j SET status = 'queued', attempts = 0, run_at = now(),"
+            "   finished_at = NULL"
+            " WHERE j.id = %(id)s AND j.status = 'failed' AND (j.dedup_key IS NULL"
+            "   OR NOT EXISTS (SELECT 1 FROM {s}.jobs o WHERE o.dedup_key = j.dedup_key"
+            "     AND o.status IN ('queued', 'running')))"
+            " RETURNING j.queue)"
+            " SELECT queue, pg_notify(%(channel)s, json_build_object("
+            "   'queue', queue, 'run_at', extract(epoch FROM now()))::text) FROM requeued")
+
+    def job_cancel_queued(self, *, queue: bool, task: bool) -> sql.Composed:
+        return sql.SQL(
+            "WITH cancelled AS ("
+            " DELETE FROM {s}.jobs WHERE status = 'queued'{f} RETURNING *),"
+            " moved AS (INSERT INTO {s}.jobs_history ({h})"
+            " SELECT id, queue, task, payload, 'cancelled', priority, run_at, attempts,"
+            "   max_attempts, dedup_key, locked_by, last_error, created_at, now()"
+            " FROM cancelled RETURNING 1)"
+            " SELECT count(*) FROM moved"
+        ).format(s=sql.Identifier(self.schema),
+                 h=sql.SQL(HISTORY_COLUMNS),
+                 f=_and((queue, "queue = %(queue)s"), (task, "task = %(task)s")))
+
+    @property
+    def throughput_per_minute(self) -> sql.Composed:
+        # Done and cancelled from history through its BRIN index on finished_at (the ranges of
+        # the last `minutes`); failed ones from the live table through jobs_failed_browse_idx.
+        return self._compose(
+            "SELECT date_trunc('minute', finished_at) AS minute, queue, status::text, count(*)"
+            " FROM {s}.jobs_history"
+            " WHERE finished_at > date_trunc('minute', now()) - make_interval(mins => %(m)s)"
+            " GROUP BY 1, 2, 3"
+            " UNION ALL"
+            " SELECT date_trunc('minute', finished_at), queue, 'failed', count(*) FROM {s}.jobs"
+            " WHERE status = 'failed'"
+            "   AND finished_at > date_trunc('minute', now()) - make_interval(mins => %(m)s)"
+            " GROUP BY 1, 2"
+            " ORDER BY 1")
+
+    @property
+    def workers_seen(self) -> sql.Composed:
+        # No table of workers: a worker shows by the jobs it holds (locked_at, renewed by its
+        # heartbeat) and the ones it finished lately (BRIN on finished_at). An idle one is not
+        # seen; the leader is (leader table).
+        return self._compose(
+            "SELECT worker, max(seen), sum(running)::bigint FROM ("
+            " SELECT locked_by AS worker, max(locked_at) AS seen, count(*) AS running"
+            " FROM {s}.jobs WHERE status = 'running' AND locked_by IS NOT NULL GROUP BY 1"
+            " UNION ALL"
+            " SELECT locked_by, max(finished_at), 0 FROM {s}.jobs_history"
+            " WHERE finished_at > now() - make_interval(secs => %(secs)s)"
+            "   AND locked_by IS NOT NULL GROUP BY 1"
+            " UNION ALL"
+            " SELECT worker, now(), 0 FROM {s}.leader WHERE expires_at > now()"
+            ") w GROUP BY worker ORDER BY 2 DESC LIMIT 100")
