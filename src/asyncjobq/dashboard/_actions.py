@@ -1,0 +1,128 @@
+"""Actions, only when not read-only: POST forms carrying the CSRF token. A read-only app has
+none of these routes, so no request can reach them.
+
+Each action answers with a redirect (303) to a page saying what happened: reloading that page
+cannot repeat the action.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Route
+
+from ..errors import ConfigurationError
+from ..queue import check_queue_name
+from ._app import Dash, dash_of
+from ._pages import filters_of
+from ._security import FIELD
+
+# What a bulk action does: the status of the jobs it takes, and its name on the page.
+BULK = {"retry": ("failed", "Retry"), "cancel": ("queued", "Cancel")}
+
+
+async def _checked_form(request: Request) -> tuple[Dash, FormData]:
+    dash = dash_of(request)
+    form = await request.form()
+    why = dash.csrf.refusal(request, form.get(FIELD))
+    if why is not None:
+        raise HTTPException(403, f"refused: {why}")
+    dash.forget()
+    return dash, form
+
+
+def _job_id(request: Request) -> int:
+    raw = request.path_params["job_id"]
+    if not raw.isdigit() or not 1 <= int(raw) < 2**63:
+        raise ConfigurationError(f"{raw!r} is not a job id: use a whole number from 1")
+    return int(raw)
+
+
+def _back(dash: Dash, request: Request, path: str, **query: Any) -> Response:
+    target = dash.url(request, path)
+    if query:
+        target += "?" + urlencode({k: v for k, v in query.items() if v is not None})
+    return RedirectResponse(target, status_code=303)
+
+
+async def retry(request: Request) -> Response:
+    dash, _ = await _checked_form(request)
+    job_id = _job_id(request)
+    ok = await (await dash.ready()).retry(job_id)
+    return _back(dash, request, f"/jobs/{job_id}", note="retried" if ok else "not-retried")
+
+
+async def cancel(request: Request) -> Response:
+    dash, _ = await _checked_form(request)
+    job_id = _job_id(request)
+    ok = await (await dash.ready()).cancel(job_id)
+    return _back(dash, request, f"/jobs/{job_id}", note="cancelled" if ok else "not-cancelled")
+
+
+def _bulk_of(values: Any) -> tuple[str, str | None, str | None]:
+    action = values.get("action", "")
+    if action not in BULK:
+        raise ConfigurationError(f"action={action!r}: use retry (failed jobs) or cancel "
+                                 "(queued jobs)")
+    queue = values.get("queue") or None
+    task = values.get("task") or None
+    for value in (queue, task):
+        if value is not None and not isinstance(value, str):
+            raise ConfigurationError("queue and task must be text")
+    return action, queue, task
+
+
+async def bulk_preview(request: Request) -> Response:
+    """How many jobs the bulk action would take, and the form that confirms it."""
+    dash = dash_of(request)
+    filters_of(request)
+    action, queue, task = _bulk_of(request.query_params)
+    status, label = BULK[action]
+    count = await (await dash.ready()).count_jobs(queue=queue, status=status, task=task)
+    return dash.render(request, "bulk.html", page="jobs", action=action, label=label,
+                       status=status, queue=queue, task=task, count=count)
+
+
+async def bulk(request: Request) -> Response:
+    dash, form = await _checked_form(request)
+    action, queue, task = _bulk_of(form)
+    q = await dash.ready()
+    if action == "retry":
+        n = int(await q.retry_failed(queue=queue, task=task))
+    else:
+        n = await q.cancel_queued(queue=queue, task=task)
+    status = BULK[action][0]
+    return _back(dash, request, "/jobs", status=status, queue=queue, task=task,
+                 note="bulk-retried" if action == "retry" else "bulk-cancelled", n=n)
+
+
+async def pause(request: Request) -> Response:
+    return await _pause_or_resume(request, pause=True)
+
+
+async def resume(request: Request) -> Response:
+    return await _pause_or_resume(request, pause=False)
+
+
+async def _pause_or_resume(request: Request, *, pause: bool) -> Response:
+    dash, form = await _checked_form(request)
+    name = form.get("queue")
+    check_queue_name(name)
+    assert isinstance(name, str)
+    q = await dash.ready()
+    await (q.pause(name) if pause else q.resume(name))
+    return _back(dash, request, "/", note="paused" if pause else "resumed")
+
+
+def routes() -> list[Route]:
+    return [Route("/jobs/{job_id}/retry", retry, methods=["POST"]),
+            Route("/jobs/{job_id}/cancel", cancel, methods=["POST"]),
+            Route("/bulk", bulk_preview, methods=["GET"]),
+            Route("/bulk", bulk, methods=["POST"]),
+            Route("/pause", pause, methods=["POST"]),
+            Route("/resume", resume, methods=["POST"])]

@@ -1,0 +1,135 @@
+"""The pages (GET only): overview, jobs list, job detail, schedules, doctor findings."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Route
+
+from ..errors import ConfigurationError
+from ..job import STATUSES
+from ._app import dash_of
+from ._chart import throughput_chart
+
+# What an action's redirect may say (the URL carries only the key and a count: a link
+# cannot make the page say anything else).
+NOTES = {
+    "retried": "Job requeued.",
+    "not-retried": "Not requeued: the job is not failed, or another job holds its dedup_key.",
+    "cancelled": "Job cancelled.",
+    "not-cancelled": "Not cancelled: the job is no longer queued.",
+    "bulk-retried": "Requeued {n} failed job(s).",
+    "bulk-cancelled": "Cancelled {n} queued job(s).",
+    "paused": "Queue paused.",
+    "resumed": "Queue resumed.",
+}
+
+
+def note_of(request: Request) -> str | None:
+    text = NOTES.get(request.query_params.get("note", ""))
+    if text is None:
+        return None
+    n = request.query_params.get("n", "")
+    return text.format(n=int(n) if n.isdigit() else "some")
+
+
+def _int_param(request: Request, name: str) -> int | None:
+    raw = request.query_params.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1 or int(raw) >= 2**63:
+        raise ConfigurationError(f"{name}={raw!r}: use a job id, a whole number from 1")
+    return int(raw)
+
+
+def filters_of(request: Request) -> dict[str, str | None]:
+    """queue, status and task from the query string ('' is no filter), status checked."""
+    out: dict[str, str | None] = {}
+    for name in ("queue", "status", "task"):
+        value = request.query_params.get(name, "")
+        out[name] = value if value else None
+    if out["status"] is not None and out["status"] not in STATUSES:
+        raise ConfigurationError(f"status={out['status']!r}: use one of "
+                                 f"{', '.join(STATUSES)}, or leave it empty for all")
+    return out
+
+
+async def overview(request: Request) -> Response:
+    dash = dash_of(request)
+    q = await dash.ready()
+
+    async def gather() -> dict[str, Any]:
+        stats, health, paused, leader, workers, rows = await asyncio.gather(
+            q.stats(), q.health(), q.paused(), q.leader(), q.workers_seen(), q.throughput(60))
+        names = sorted(set(stats) | set(paused) | set(health))
+        queues = [{"name": n, "counts": stats.get(n, dict.fromkeys(STATUSES, 0)),
+                   "oldest": health.get(n, {}).get("oldest_queued_age_s"),
+                   "paused_at": paused.get(n)} for n in names]
+        return {"queues": queues, "leader": leader, "workers": workers,
+                "chart": throughput_chart(rows)}
+
+    data = await dash.cached("overview", gather)
+    return dash.render(request, "overview.html", page="overview", note=note_of(request),
+                       statuses=STATUSES, **data)
+
+
+async def jobs(request: Request) -> Response:
+    dash = dash_of(request)
+    wanted = _int_param(request, "id")
+    if wanted is not None:
+        return RedirectResponse(dash.url(request, f"/jobs/{wanted}"), status_code=303)
+    f = filters_of(request)
+    before = _int_param(request, "before")
+    q = await dash.ready()
+    page = await q.list_jobs(queue=f["queue"], status=f["status"], task=f["task"],
+                             before=before, limit=50)
+    return dash.render(request, "jobs.html", page="jobs", filters=f, jobs_page=page,
+                       before=before, statuses=STATUSES, note=note_of(request))
+
+
+async def job(request: Request) -> Response:
+    dash = dash_of(request)
+    raw = request.path_params["job_id"]
+    if not raw.isdigit() or not 1 <= int(raw) < 2**63:
+        raise ConfigurationError(f"{raw!r} is not a job id: use a whole number from 1")
+    q = await dash.ready()
+    detail = await q.get_detail(int(raw))
+    if detail is None:
+        raise HTTPException(404, f"no job {raw}: it never existed, or finished and was "
+                                 "pruned from history")
+    return dash.render(request, "job.html", page="jobs", job=detail, note=note_of(request))
+
+
+async def schedules(request: Request) -> Response:
+    dash = dash_of(request)
+    q = await dash.ready()
+    problem = None
+    registered: list[dict[str, Any]] = []
+    try:
+        registered = await q.list_schedules()
+    except ConfigurationError as e:
+        problem = str(e)
+    known = {s["name"] for s in registered}
+    others = {name: tick for name, tick in (await q.last_ticks()).items() if name not in known}
+    return dash.render(request, "schedules.html", page="schedules", schedules=registered,
+                       others=others, problem=problem)
+
+
+async def doctor(request: Request) -> Response:
+    from ..doctor import diagnose
+
+    dash = dash_of(request)
+    report = await diagnose(await dash.ready())
+    return dash.render(request, "doctor.html", page="doctor", report=report)
+
+
+def routes() -> list[Route]:
+    return [Route("/", overview, methods=["GET"]),
+            Route("/jobs", jobs, methods=["GET"]),
+            Route("/jobs/{job_id}", job, methods=["GET"]),
+            Route("/schedules", schedules, methods=["GET"]),
+            Route("/doctor", doctor, methods=["GET"])]
