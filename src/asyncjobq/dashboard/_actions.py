@@ -18,9 +18,9 @@ from starlette.routing import Route
 
 from ..errors import ConfigurationError
 from ..queue import check_queue_name
-from ._app import Dash, dash_of
 from ._pages import filters_of
 from ._security import FIELD
+from ._state import Dash, dash_of
 
 # What a bulk action does: the status of the jobs it takes, and its name on the page.
 BULK = {"retry": ("failed", "Retry"), "cancel": ("queued", "Cancel")}

@@ -1,19 +1,13 @@
-"""create_app: the routes, the shared state of one dashboard, rendering and errors."""
+"""create_app: the routes, the assets and the error pages."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
 
-import jinja2
 import psycopg
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -23,101 +17,14 @@ from starlette.routing import BaseRoute, Mount, Route
 
 from ..errors import AsyncJobQError, ConfigurationError, reason
 from ..queue import Queue
-from ._security import COOKIE, FIELD, Auth, AuthGate, Csrf
+from . import _actions, _pages
+from ._security import Auth, AuthGate
+from ._state import Dash, environment
 
 log = logging.getLogger("asyncjobq.dashboard")
 
 _ASSETS = {"dash.css": "text/css; charset=utf-8",
            "dash.js": "text/javascript; charset=utf-8"}
-# Seconds the overview's figures are reused: ten wall screens refreshing every 5 s cost the
-# database what one does.
-OVERVIEW_TTL = 2.0
-REFRESH_SECONDS = 5
-
-
-@dataclass
-class Dash:
-    """One dashboard: its queue, its mode and what its requests share."""
-
-    queue: Queue
-    read_only: bool
-    base_path: str
-    env: jinja2.Environment
-    csrf: Csrf = field(default_factory=Csrf)
-    opened_here: bool = False
-    _open_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
-
-    async def ready(self) -> Queue:
-        """The queue, opened on first use when no lifespan did (a mounted app's lifespan does
-        not run: Starlette runs only the outer app's)."""
-        if not self.queue.database.is_open:
-            async with self._open_lock:
-                if not self.queue.database.is_open:
-                    await self.queue.open()
-                    self.opened_here = True
-        return self.queue
-
-    async def cached(self, key: str, make: Callable[[], Awaitable[Any]]) -> Any:
-        hit = self._cache.get(key)
-        if hit is not None and time.monotonic() - hit[0] < OVERVIEW_TTL:
-            return hit[1]
-        value = await make()
-        self._cache[key] = (time.monotonic(), value)
-        return value
-
-    def forget(self) -> None:
-        """After an action: the next page shows its effect, not cached figures."""
-        self._cache.clear()
-
-    def url(self, request: Request, path: str) -> str:
-        return f"{request.scope.get('root_path', '')}{self.base_path}{path}"
-
-    def render(self, request: Request, template: str, status_code: int = 200,
-               **context: Any) -> HTMLResponse:
-        token, set_cookie = self.csrf.token_for(request)
-        html = self.env.get_template(template).render(
-            dash=self, request=request, csrf_field=FIELD, csrf_token=token,
-            url=lambda path: self.url(request, path), refresh=REFRESH_SECONDS,
-            now=datetime.now(UTC), **{"page": "", "note": None, **context})
-        response = HTMLResponse(html, status_code=status_code)
-        response.headers["cache-control"] = "no-store"
-        if set_cookie:
-            response.set_cookie(COOKIE, token, httponly=True, samesite="strict",
-                                secure=request.url.scheme == "https",
-                                path=self.url(request, "/") or "/")
-        return response
-
-
-def dash_of(request: Request) -> Dash:
-    dash: Dash = request.app.state.dash
-    return dash
-
-
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("asyncjobq.dashboard", "templates"),
-                             autoescape=True, undefined=jinja2.StrictUndefined)
-    env.filters["age"] = _age
-    env.filters["ts"] = _ts
-    env.filters["pretty"] = lambda v: json.dumps(v, indent=2, ensure_ascii=False,
-                                                 sort_keys=True)
-    return env
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    m = int(seconds // 60)
-    if m < 60:
-        return f"{m}m {int(seconds % 60)}s"
-    h = m // 60
-    return f"{h}h {m % 60}m" if h < 48 else f"{h // 24}d {h % 24}h"
-
-
-def _ts(t: datetime | None) -> str:
-    return "-" if t is None else t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 async def _asset(request: Request) -> Response:
@@ -170,8 +77,6 @@ def create_app(queue: Queue, *, read_only: bool = False, auth: Auth | None = Non
             included; anything but True is refused with 403.
         base_path: the URL prefix the app is served under, e.g. "/jobs-admin".
     """
-    from . import _actions, _pages
-
     if not isinstance(queue, Queue):
         raise ConfigurationError(f"create_app takes an asyncjobq.Queue, got {queue!r}")
     if auth is not None and not callable(auth):
@@ -180,7 +85,7 @@ def create_app(queue: Queue, *, read_only: bool = False, auth: Auth | None = Non
     if base_path and (not base_path.startswith("/") or base_path.endswith("/")):
         raise ConfigurationError(f"base_path={base_path!r}: use '' or a path starting with / "
                                  "and not ending with one, e.g. '/jobs-admin'")
-    dash = Dash(queue, bool(read_only), base_path, _environment())
+    dash = Dash(queue, bool(read_only), base_path, environment())
     routes: list[BaseRoute] = [*_pages.routes(),
                                Route("/static/{name}", _asset, methods=["GET"])]
     if not read_only:

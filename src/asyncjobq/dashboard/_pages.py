@@ -12,8 +12,8 @@ from starlette.routing import Route
 
 from ..errors import ConfigurationError
 from ..job import STATUSES
-from ._app import dash_of
 from ._chart import throughput_chart
+from ._state import dash_of
 
 # What an action's redirect may say (the URL carries only the key and a count: a link
 # cannot make the page say anything else).

@@ -1,0 +1,333 @@
+"""The dashboard's routes through an ASGI client against real PostgreSQL: pages, escaping,
+auth, CSRF, read-only mode, keyset pages, bad input, actions, the CLI command."""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from conftest import TESTS, WorkerProcess, execute, wait_for
+from markupsafe import escape
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from asyncjobq import Queue
+from asyncjobq.dashboard import create_app
+
+HOSTILE = "<script>alert('x')</script>"
+HOSTILE_ERROR = "<img src=x onerror=alert(1)> & boom"
+
+
+@asynccontextmanager
+async def client(app: Any, base: str = "http://dash.test") -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url=base) as c:
+        yield c
+
+
+def token_in(page: str) -> str:
+    found = re.search(r'name="csrf_token" value="([^"]+)"', page)
+    assert found, "no CSRF field in the page"
+    return found.group(1)
+
+
+async def failed_job(queue: Queue, task: str = "t.fail", error: str = HOSTILE_ERROR,
+                     queue_name: str = "default", payload: dict[str, Any] | None = None) -> int:
+    job_id = await queue.enqueue(task, payload or {"n": 1}, queue=queue_name)
+    await execute(queue, "UPDATE {s}.jobs SET status = 'failed', attempts = 3, "
+                         "last_error = %s, finished_at = now() WHERE id = %s", error, job_id)
+    return job_id
+
+
+async def test_every_page_renders(queue: Queue) -> None:
+    job_id = await queue.enqueue("t.a", {"k": [1, 2]}, queue="emails")
+    await failed_job(queue)
+    await queue.pause("emails")
+    async with client(create_app(queue)) as c:
+        for path in ("/", "/jobs", "/jobs?status=failed", f"/jobs/{job_id}", "/schedules",
+                     "/doctor", "/static/dash.css", "/static/dash.js"):
+            r = await c.get(path)
+            assert r.status_code == 200, (path, r.text[:300])
+        overview = (await c.get("/")).text
+        assert "emails" in overview and "paused" in overview
+        assert 'data-queue="emails" data-status="queued">1<' in overview
+        assert "<svg" in overview and "no worker leads" in overview
+        detail = (await c.get(f"/jobs/{job_id}")).text
+        assert '&#34;k&#34;: [\n    1,\n    2\n  ]' in detail  # pretty-printed, escaped
+
+
+async def test_user_data_renders_as_text(queue: Queue) -> None:
+    job_id = await failed_job(queue, task=f"task{HOSTILE}", queue_name=f"q{HOSTILE}",
+                              payload={"html": HOSTILE})
+    async with client(create_app(queue)) as c:
+        pages = [(await c.get(p)).text for p in
+                 ("/", "/jobs", f"/jobs/{job_id}", "/jobs?status=failed")]
+        for page in pages:
+            assert "<script>alert" not in page
+            assert "<img src=x" not in page
+        detail = pages[2]
+        assert str(escape(HOSTILE)) in detail  # the task name and the payload, as text
+        assert str(escape(HOSTILE_ERROR)) in detail
+        r = await c.get("/jobs", params={"task": HOSTILE, "queue": HOSTILE})
+        assert "<script>alert" not in r.text
+
+
+async def test_auth_is_asked_for_every_request_and_assets(queue: Queue) -> None:
+    seen: list[str] = []
+
+    async def deny(request: Any) -> bool:
+        seen.append(request.url.path)
+        return request.headers.get("x-key") == "ok"
+
+    async with client(create_app(queue, auth=deny)) as c:
+        for path in ("/", "/jobs", "/static/dash.css", "/doctor"):
+            assert (await c.get(path)).status_code == 403, path
+        assert (await c.post("/pause", data={"queue": "default"})).status_code == 403
+        assert (await c.get("/", headers={"x-key": "ok"})).status_code == 200
+    assert "/static/dash.css" in seen and "/pause" in seen
+    assert await queue.paused() == {}
+
+    def broken(request: Any) -> bool:
+        raise RuntimeError("auth backend down")
+
+    async with client(create_app(queue, auth=broken)) as c:
+        r = await c.get("/")
+        assert r.status_code == 403 and "auth backend down" not in r.text
+    async with client(create_app(queue, auth=lambda r: True)) as c:
+        assert (await c.get("/")).status_code == 200
+
+
+async def test_actions_need_the_csrf_token_and_a_same_site_request(queue: Queue) -> None:
+    job_id = await queue.enqueue("t.a", {})
+    app = create_app(queue)
+    async with client(app) as c:
+        token = token_in((await c.get("/")).text)
+        path = f"/jobs/{job_id}/cancel"
+        assert (await c.post(path)).status_code == 403  # no token
+        assert (await c.post(path, data={"csrf_token": "nope"})).status_code == 403
+        r = await c.post(path, data={"csrf_token": token}, headers={"origin": "https://evil.example"})
+        assert r.status_code == 403 and "another site" in r.text
+        r = await c.post(path, data={"csrf_token": token}, headers={"sec-fetch-site": "cross-site"})
+        assert r.status_code == 403
+        assert (await queue.get(job_id)).status == "queued"  # type: ignore[union-attr]
+    # A cookie planted by someone else (unsigned), repeated in the form: refused.
+    async with client(app) as c:
+        c.cookies.set("asyncjobq_csrf", "abc.def")
+        r = await c.post(path, data={"csrf_token": "abc.def"})
+        assert r.status_code == 403
+    # The page's own form: accepted, from the same origin too.
+    async with client(app) as c:
+        token = token_in((await c.get(f"/jobs/{job_id}")).text)
+        r = await c.post(path, data={"csrf_token": token}, headers={"origin": "http://dash.test"})
+        assert r.status_code == 303 and r.headers["location"] == f"/jobs/{job_id}?note=cancelled"
+        assert (await queue.get(job_id)).status == "cancelled"  # type: ignore[union-attr]
+        assert "Job cancelled." in (await c.get(r.headers["location"])).text
+    # A token from another app (another secret) is refused.
+    async with client(create_app(queue)) as c:
+        c.cookies.set("asyncjobq_csrf", token)
+        assert (await c.post(path, data={"csrf_token": token})).status_code == 403
+
+
+async def test_read_only_has_no_action_routes(queue: Queue) -> None:
+    failed = await failed_job(queue)
+    queued = await queue.enqueue("t.a", {})
+    async with client(create_app(queue, read_only=True)) as c:
+        pages = [(await c.get(p)).text for p in ("/", f"/jobs/{failed}", f"/jobs/{queued}",
+                                                   "/jobs?status=failed")]
+        for page in pages:
+            assert 'method="post"' not in page
+            assert "read-only" in page
+        token = "x"
+        for path in (f"/jobs/{failed}/retry", f"/jobs/{queued}/cancel", "/bulk", "/pause",
+                     "/resume", "/"):
+            r = await c.post(path, data={"csrf_token": token, "queue": "default",
+                                         "action": "retry"})
+            assert r.status_code in (404, 405), (path, r.status_code)
+        assert (await c.get("/bulk", params={"action": "retry"})).status_code == 404
+    assert (await queue.get(failed)).status == "failed"  # type: ignore[union-attr]
+    assert (await queue.get(queued)).status == "queued"  # type: ignore[union-attr]
+    assert await queue.paused() == {}
+
+
+async def test_keyset_pages_cover_live_and_finished_jobs_once(queue: Queue) -> None:
+    ids = await queue.enqueue_many("t.keep", [{"i": i} for i in range(70)], queue="a")
+    ids += await queue.enqueue_many("t.drop", [{"i": i} for i in range(60)], queue="b")
+    assert await queue.cancel_queued(task="t.drop") == 60
+    async with client(create_app(queue)) as c:
+        seen: list[int] = []
+        url: str | None = "/jobs"
+        while url:
+            page = (await c.get(url)).text
+            seen += [int(x) for x in re.findall(r'<td class="num"><a href="/jobs/(\d+)">', page)]
+            nxt = re.search(r'<a rel="next" href="([^"]+)"', page)
+            url = html.unescape(nxt.group(1)) if nxt else None
+        assert seen == sorted(ids, reverse=True)
+        # Filters, across the live table and history.
+        cancelled = (await c.get("/jobs", params={"status": "cancelled", "queue": "b"})).text
+        assert cancelled.count("st-cancelled") == 50 and 'rel="next"' in cancelled
+    page = await queue.list_jobs(task="t.drop", status="cancelled", limit=25)
+    assert [j.id for j in page.jobs] == sorted(ids[70:], reverse=True)[:25]
+    rest = await queue.list_jobs(task="t.drop", before=page.next_before, limit=100)
+    assert len(rest.jobs) == 35 and rest.next_before is None
+    assert await queue.count_jobs(queue="a", status="queued") == 70
+    assert await queue.count_jobs(status="cancelled") == 60
+    assert await queue.count_jobs(task="t.drop", status="cancelled") == 60
+    assert (await queue.list_jobs(queue="nowhere")).jobs == []
+
+
+@pytest.mark.parametrize("path, says", [
+    ("/jobs?status=bogus", "status=&#39;bogus&#39;: use one of"),
+    ("/jobs?before=abc", "before=&#39;abc&#39;: use a job id"),
+    ("/jobs?before=-5", "use a job id"),
+    ("/jobs?id=12x", "id=&#39;12x&#39;: use a job id"),
+    ("/jobs?queue=a%00b", "without NUL"),
+    (f"/jobs?task={'t' * 300}", "at most 200 characters"),
+    ("/jobs/abc", "is not a job id"),
+    ("/jobs/99999999999999999999", "is not a job id"),
+])
+async def test_bad_input_gets_a_message_not_a_traceback(queue: Queue, path: str,
+                                                        says: str) -> None:
+    async with client(create_app(queue)) as c:
+        r = await c.get(path)
+    assert r.status_code == 400, r.text
+    assert says in r.text and "Traceback" not in r.text
+
+
+async def test_unknown_job_and_a_database_in_trouble(queue: Queue, pg_dsn: str) -> None:
+    async with client(create_app(queue)) as c:
+        r = await c.get("/jobs/424242")
+        assert r.status_code == 404 and "no job 424242" in r.text
+        assert (await c.get("/jobs?id=424242")).headers["location"] == "/jobs/424242"
+    uninstalled = Queue(pg_dsn, schema="t_never_installed_dash")
+    async with uninstalled, client(create_app(uninstalled)) as c:
+        r = await c.get("/jobs")
+        assert r.status_code == 503 and "Traceback" not in r.text
+        assert "is not installed" in r.text and "asyncjobq install" in r.text
+
+
+async def test_retry_bulk_and_pause_from_the_pages(queue: Queue) -> None:
+    one = await failed_job(queue, task="t.x")
+    others = [await failed_job(queue, task="t.y") for _ in range(3)]
+    waiting = await queue.enqueue_many("t.z", [{}] * 4, queue="slow")
+    async with client(create_app(queue)) as c:
+        detail = (await c.get(f"/jobs/{one}")).text
+        assert f'action="/jobs/{one}/retry"' in detail
+        r = await c.post(f"/jobs/{one}/retry", data={"csrf_token": token_in(detail)})
+        assert r.status_code == 303 and "Job requeued." in (await c.get(r.headers["location"])).text
+        assert (await queue.get(one)).status == "queued"  # type: ignore[union-attr]
+
+        listing = (await c.get("/jobs", params={"status": "failed"})).text
+        assert "Retry all matching" in listing
+        preview = (await c.get("/bulk", params={"action": "retry", "task": "t.y"})).text
+        assert 'data-count="3"' in preview
+        r = await c.post("/bulk", data={"csrf_token": token_in(preview), "action": "retry",
+                                        "task": "t.y", "queue": ""})
+        assert r.status_code == 303
+        assert "Requeued 3 failed job(s)." in (await c.get(r.headers["location"])).text
+        assert {(await queue.get(i)).status for i in others} == {"queued"}  # type: ignore[union-attr]
+
+        preview = (await c.get("/bulk", params={"action": "cancel", "queue": "slow"})).text
+        assert 'data-count="4"' in preview
+        r = await c.post("/bulk", data={"csrf_token": token_in(preview), "action": "cancel",
+                                        "queue": "slow", "task": ""})
+        assert "Cancelled 4 queued job(s)." in (await c.get(r.headers["location"])).text
+        assert {(await queue.get(i)).status for i in waiting} == {"cancelled"}  # type: ignore[union-attr]
+        r = await c.get("/bulk", params={"action": "delete"})
+        assert r.status_code == 400 and "use retry" in r.text
+
+        token = token_in((await c.get("/")).text)
+        r = await c.post("/pause", data={"csrf_token": token, "queue": "default"})
+        assert r.status_code == 303 and "default" in await queue.paused()
+        assert "Resume" in (await c.get("/")).text
+        await c.post("/resume", data={"csrf_token": token, "queue": "default"})
+        assert await queue.paused() == {}
+        r = await c.post("/pause", data={"csrf_token": token, "queue": ""})
+        assert r.status_code == 400
+
+
+async def test_base_path_prefixes_routes_and_links(queue: Queue) -> None:
+    async with client(create_app(queue, base_path="/ops/jobs")) as c:
+        r = await c.get("/ops/jobs/")
+        assert r.status_code == 200
+        assert 'href="/ops/jobs/jobs"' in r.text and 'href="/ops/jobs/static/dash.css"' in r.text
+        assert "path=/ops/jobs/" in r.headers["set-cookie"].lower()
+        assert (await c.get("/ops/jobs/static/dash.js")).status_code == 200
+    outer = Starlette(routes=[Mount("/outer", create_app(queue, base_path="/in"))])
+    async with client(outer) as c:
+        r = await c.get("/outer/in/jobs")
+        assert r.status_code == 200 and 'href="/outer/in/static/dash.css"' in r.text
+    with pytest.raises(ValueError, match="base_path"):
+        create_app(queue, base_path="ops/")
+
+
+def test_without_the_extra_import_and_cli_say_what_to_install() -> None:
+    block = "import sys; sys.modules['starlette'] = None; "
+    r = subprocess.run([sys.executable, "-c", block + "import asyncjobq.dashboard"],
+                       capture_output=True, text=True, timeout=60)
+    assert "ExtraNotInstalledError" in r.stderr
+    assert "pip install 'asyncjobq[dashboard]'" in r.stderr
+    r = subprocess.run([sys.executable, "-c", block + "from asyncjobq.cli import main; "
+                        "main(['dashboard', 'apps.testapp:queue'])"],
+                       capture_output=True, text=True, timeout=60, cwd=TESTS)
+    assert r.returncode == 1
+    assert r.stderr.strip() == ("asyncjobq: error: the dashboard needs the dashboard extra: pip "
+                                "install 'asyncjobq[dashboard]' (starlette, jinja2, "
+                                "python-multipart; uvicorn to serve it alone)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("host, warns", [("127.0.0.1", False), ("0.0.0.0", True)])
+async def test_the_cli_serves_it_and_warns_off_loopback(queue: Queue, pg_dsn: str, host: str,
+                                                        warns: bool) -> None:
+    port = _free_port()
+    env = {**os.environ, "ASYNCJOBQ_DSN": pg_dsn, "ASYNCJOBQ_TEST_SCHEMA": queue.schema,
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = WorkerProcess([sys.executable, "-m", "asyncjobq", "dashboard", "apps.testapp:queue",
+                          "--host", host, "--port", str(port), "--read-only",
+                          "--log-level", "warning"], cwd=TESTS, env=env)
+    try:
+        async def up() -> bool:
+            assert proc.poll() is None, proc.stderr_so_far()
+            try:
+                async with httpx.AsyncClient() as c:
+                    return (await c.get(f"http://127.0.0.1:{port}/")).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        await wait_for(up, timeout=30, interval=0.1, what="the dashboard command to serve")
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert ("has no authentication" in err) is warns, err
+    assert f"http://{host}:{port}/ (read-only)" in err
+
+
+def test_chart_buckets_minutes() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from asyncjobq.dashboard._chart import throughput_chart
+
+    now = datetime(2026, 1, 1, 12, 30, 20, tzinfo=UTC)
+    rows = [(now.replace(second=0) - timedelta(minutes=1), "a", "done", 6),
+            (now.replace(second=0), "a", "failed", 2),
+            (now - timedelta(hours=2), "a", "done", 99)]
+    chart = throughput_chart(rows, now=now)
+    assert (chart.total_done, chart.total_failed, chart.peak) == (6, 2, 6)
+    assert chart.bars[-2].title == "12:29 UTC: 6 done, 0 failed"
+    assert chart.bars[-1].failed_h > 0 and chart.bars[0].done_h == 0
+
+
