@@ -331,3 +331,15 @@ def test_chart_buckets_minutes() -> None:
     assert chart.bars[-1].failed_h > 0 and chart.bars[0].done_h == 0
 
 
+
+
+def test_attempt_errors_are_split_back_per_attempt() -> None:
+    from asyncjobq.dashboard._pages import attempt_errors
+
+    text = "attempt 1: ValueError: a\nline two\nattempt 2: Timeout\nattempt 3: KeyError: 'x'"
+    assert attempt_errors(text) == [("attempt 1", "ValueError: a\nline two"),
+                                    ("attempt 2", "Timeout"), ("attempt 3", "KeyError: 'x'")]
+    assert attempt_errors("t of a cut one\nattempt 9: boom") == [
+        ("earlier", "t of a cut one"), ("attempt 9", "boom")]
+    assert attempt_errors("set by hand") == [("error", "set by hand")]
+    assert attempt_errors(None) == []

@@ -135,8 +135,9 @@ async def test_open_a_failed_job_retry_it_and_see_it_done(queue: Queue, served: 
         await page.screenshot(path=str(shots(tmp_path) / "jobs.png"))
         await page.click(f'a[href="/jobs/{job_id}"]')
         await page.wait_for_url(f"**/jobs/{job_id}")
-        error = await page.locator("pre.err").inner_text()
-        assert f"upstream said {HOSTILE}" in error  # the text, shown as text
+        error = await page.locator("pre.err").first.inner_text()
+        assert f"RuntimeError: upstream said {HOSTILE}" in error  # the text, shown as text
+        assert await page.locator("h3.attempt").all_inner_texts() == ["attempt 1"]
         assert HOSTILE in await page.locator("pre.payload").inner_text()
         await page.screenshot(path=str(shots(tmp_path) / "job.png"))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -35,6 +36,28 @@ def note_of(request: Request) -> str | None:
         return None
     n = request.query_params.get("n", "")
     return text.format(n=int(n) if n.isdigit() else "some")
+
+
+# last_error holds every attempt's error, each line-led by "attempt N: ", joined by newlines and
+# cut to its last 8000 characters (sql/claim.py): split back into one entry per attempt.
+_ATTEMPT = re.compile(r"^attempt (\d+): ", re.MULTILINE)
+
+
+def attempt_errors(text: str | None) -> list[tuple[str, str]]:
+    """[(attempt label, its error)] in attempt order; text before the first marker (cut by
+    the 8000-character limit, or written by another tool) gets the label "earlier"."""
+    if not text:
+        return []
+    marks = list(_ATTEMPT.finditer(text))
+    out: list[tuple[str, str]] = []
+    if not marks or marks[0].start() > 0:
+        head = text[:marks[0].start() if marks else len(text)].strip()
+        if head:
+            out.append(("earlier" if marks else "error", head))
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        out.append((f"attempt {m.group(1)}", text[m.end():end].rstrip("\n")))
+    return out
 
 
 def _int_param(request: Request, name: str) -> int | None:
@@ -101,7 +124,8 @@ async def job(request: Request) -> Response:
     if detail is None:
         raise HTTPException(404, f"no job {raw}: it never existed, or finished and was "
                                  "pruned from history")
-    return dash.render(request, "job.html", page="jobs", job=detail, note=note_of(request))
+    return dash.render(request, "job.html", page="jobs", job=detail, note=note_of(request),
+                       errors=attempt_errors(detail.last_error))
 
 
 async def schedules(request: Request) -> Response:
