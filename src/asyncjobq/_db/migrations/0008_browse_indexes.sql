@@ -1,13 +1,13 @@
 -- asyncjobq schema, version 8: indexes for browsing jobs (the dashboard's jobs list, through
 -- Queue.list_jobs). Newest first with `id < before` (keyset pages): history is read per
--- (queue, status), or per (task, status) when a task is given, each branch stopping after a
--- page of rows, so a page costs the same at 10,000 or 10,000,000 history rows. Without them a
+-- (queue, status) pair (with the task when one is given), each branch stopping after a page
+-- of rows, so a page costs the same at 10,000 or 10,000,000 history rows. Without them a
 -- filter on a rare queue, task or status read history backwards until it found a page.
 -- Each completed job pays two more index entries in history; the live table gets only a
 -- partial index that holds failed rows, which no claim or completion of a healthy job touches.
 -- Building them on an existing history holds its writers (completions) back meanwhile: about
 -- 10 s per 10,000,000 rows.
 CREATE INDEX jobs_history_queue_browse_idx ON jobs_history (queue, status, id);
-CREATE INDEX jobs_history_task_browse_idx ON jobs_history (task, status, id);
+CREATE INDEX jobs_history_task_browse_idx ON jobs_history (task, queue, status, id);
 -- Dead-lettered jobs by when they failed, for the throughput chart's failures.
 CREATE INDEX jobs_failed_browse_idx ON jobs (finished_at) WHERE status = 'failed';

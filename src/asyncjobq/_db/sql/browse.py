@@ -30,33 +30,30 @@ class BrowseStatements(Role):
     def job_page(self, *, queue: bool, task: bool) -> sql.Composed:
         # Newest first, `id < before`. The live table (queued, running, failed) is read by its
         # primary key, backwards. History is read per (queue, status) pair that has rows (from
-        # history_counts: a few rows) through jobs_history_queue_browse_idx, or per status
-        # through jobs_history_task_browse_idx when a task is given: each branch stops after
-        # `limit` rows, so a page costs at most pairs x limit index entries at any history size.
+        # history_counts: a few rows), each branch stopping after `limit` rows, through
+        # jobs_history_queue_browse_idx, or jobs_history_task_browse_idx when a task is given.
+        # Each branch orders by its index's columns (fixed within the branch, so the order is
+        # by id): the primary key cannot give that order, so the planner never walks history
+        # backwards by id filtering for a rare pair, which reads all of it when none exist.
         hot = _and((queue, "j.queue = %(queue)s"), (task, "j.task = %(task)s"))
-        if task:
-            pairs = sql.SQL("SELECT unnest(%(statuses)s::text[])::{s}.job_status AS status")
-            branch = _and((True, "h.status = p.status"), (True, "h.task = %(task)s"),
-                          (queue, "h.queue = %(queue)s"))
-        else:
-            pairs = sql.SQL(
-                "SELECT queue, status FROM {s}.history_counts"
-                " WHERE status::text = ANY(%(statuses)s::text[])" + _and(
-                    (queue, "queue = %(queue)s")).as_string(None)
-                + " GROUP BY queue, status HAVING sum(n) > 0")
-            branch = _and((True, "h.queue = p.queue"), (True, "h.status = p.status"))
+        pairs = _and((queue, "queue = %(queue)s"))
+        branch = _and((task, "h.task = %(task)s"))
+        order = "h.task DESC, h.queue DESC" if task else "h.queue DESC"
         return sql.SQL(
             "WITH hot AS (SELECT {cols} FROM {s}.jobs j"
             "   WHERE j.status::text = ANY(%(statuses)s::text[]) AND j.id < %(before)s{hot}"
             "   ORDER BY j.id DESC LIMIT %(limit)s),"
-            " pairs AS ({pairs}),"
+            " pairs AS (SELECT queue, status FROM {s}.history_counts"
+            "   WHERE status::text = ANY(%(statuses)s::text[]){pairs}"
+            "   GROUP BY queue, status HAVING sum(n) > 0),"
             " old AS (SELECT h.* FROM pairs p CROSS JOIN LATERAL ("
-            "   SELECT {cols} FROM {s}.jobs_history h WHERE h.id < %(before)s{branch}"
-            "   ORDER BY h.id DESC LIMIT %(limit)s) h)"
+            "   SELECT {cols} FROM {s}.jobs_history h"
+            "   WHERE h.queue = p.queue AND h.status = p.status AND h.id < %(before)s{branch}"
+            "   ORDER BY {order}, h.status DESC, h.id DESC LIMIT %(limit)s) h)"
             " SELECT * FROM (SELECT * FROM hot UNION ALL SELECT * FROM old) page"
             " ORDER BY id DESC LIMIT %(limit)s"
         ).format(cols=sql.SQL(SUMMARY_COLUMNS), s=sql.Identifier(self.schema), hot=hot,
-                 pairs=pairs.format(s=sql.Identifier(self.schema)), branch=branch)
+                 pairs=pairs, branch=branch, order=sql.SQL(order))
 
     def job_count(self, *, queue: bool, task: bool) -> sql.Composed:
         # The live table is counted; history is summed from history_counts (exact, a few rows)
