@@ -131,6 +131,12 @@ async def test_actions_need_the_csrf_token_and_a_same_site_request(queue: Queue)
         assert r.status_code == 303 and r.headers["location"] == f"/jobs/{job_id}?note=cancelled"
         assert (await queue.get(job_id)).status == "cancelled"  # type: ignore[union-attr]
         assert "Job cancelled." in (await c.get(r.headers["location"])).text
+        # Behind a proxy that rewrote Host, the forwarded one counts.
+        other = await queue.enqueue("t.a", {})
+        r = await c.post(f"/jobs/{other}/cancel", data={"csrf_token": token},
+                         headers={"origin": "https://jobs.example.com", "host": "10.0.0.5:8080",
+                                  "x-forwarded-host": "jobs.example.com"})
+        assert r.status_code == 303
     # A token from another app (another secret) is refused.
     async with client(create_app(queue)) as c:
         c.cookies.set("asyncjobq_csrf", token)
@@ -343,3 +349,23 @@ def test_attempt_errors_are_split_back_per_attempt() -> None:
         ("earlier", "t of a cut one"), ("attempt 9", "boom")]
     assert attempt_errors("set by hand") == [("error", "set by hand")]
     assert attempt_errors(None) == []
+
+
+async def test_the_readme_example_mounts_it_behind_auth(queue: Queue, pg_dsn: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from asgi_lifespan import LifespanManager
+    from test_readme import load_example
+
+    monkeypatch.setenv("ASYNCJOBQ_DSN", pg_dsn)
+    monkeypatch.setenv("QUEUE_SCHEMA", queue.schema)
+    monkeypatch.setenv("STAFF_EMAILS", "ana@example.com,bo@example.com")
+    example = load_example("dashboard_app", monkeypatch)
+    job_id = await queue.enqueue("t.a", {})
+    async with LifespanManager(example.app) as manager, client(manager.app) as c:
+        assert (await c.get("/admin/jobs/")).status_code == 403
+        assert (await c.get("/admin/jobs/static/dash.css",
+                            headers={"x-forwarded-email": "eve@example.com"})).status_code == 403
+        staff = {"x-forwarded-email": "bo@example.com"}
+        r = await c.get(f"/admin/jobs/jobs/{job_id}", headers=staff)
+        assert r.status_code == 200 and 'href="/admin/jobs/jobs"' in r.text
+    assert not example.queue.database.is_open

@@ -88,8 +88,11 @@ class Csrf:
             return f"a {site} request may not act on the dashboard"
         origin = request.headers.get("origin")
         if origin is not None:
-            host = request.headers.get("host", "")
-            if origin == "null" or urlsplit(origin).netloc != host:
+            # A proxy that rewrites Host names the original in X-Forwarded-Host; a cross-site
+            # form cannot set that header, so either may match.
+            hosts = {request.headers.get("host", ""),
+                     request.headers.get("x-forwarded-host", "").split(",")[0].strip()}
+            if origin == "null" or urlsplit(origin).netloc not in hosts - {""}:
                 return f"the request comes from another site ({origin})"
         cookie = request.cookies.get(COOKIE)
         if not isinstance(form_token, str) or cookie is None:

@@ -22,6 +22,10 @@ DETAIL_COLUMNS = ("id, task, queue, status, attempts, max_attempts, priority, ru
                   "dedup_key")
 
 
+# The statuses asked for, as the enum: compared as text, no index on status could be used.
+_STATUSES = "%(statuses)s::text[]::{s}.job_status[]"
+
+
 def _and(*conditions: tuple[bool, str]) -> sql.SQL:
     return sql.SQL("".join(f" AND {text}" for given, text in conditions if given))
 
@@ -41,10 +45,11 @@ class BrowseStatements(Role):
         order = "h.task DESC, h.queue DESC" if task else "h.queue DESC"
         return sql.SQL(
             "WITH hot AS (SELECT {cols} FROM {s}.jobs j"
-            "   WHERE j.status::text = ANY(%(statuses)s::text[]) AND j.id < %(before)s{hot}"
+            "   WHERE j.status = ANY(%(statuses)s::text[]::{s}.job_status[])"
+            "   AND j.id < %(before)s{hot}"
             "   ORDER BY j.id DESC LIMIT %(limit)s),"
             " pairs AS (SELECT queue, status FROM {s}.history_counts"
-            "   WHERE status::text = ANY(%(statuses)s::text[]){pairs}"
+            "   WHERE status = ANY(%(statuses)s::text[]::{s}.job_status[]){pairs}"
             "   GROUP BY queue, status HAVING sum(n) > 0),"
             " old AS (SELECT h.* FROM pairs p CROSS JOIN LATERAL ("
             "   SELECT {cols} FROM {s}.jobs_history h"
@@ -59,18 +64,18 @@ class BrowseStatements(Role):
         # The live table is counted; history is summed from history_counts (exact, a few rows)
         # unless a task is given, which only its index can count.
         hot = _and((queue, "queue = %(queue)s"), (task, "task = %(task)s"))
-        if task:
-            old = sql.SQL("SELECT count(*) FROM {s}.jobs_history"
-                          " WHERE status::text = ANY(%(statuses)s::text[]){f}").format(
-                s=sql.Identifier(self.schema), f=hot)
-        else:
-            old = sql.SQL("SELECT coalesce(sum(n), 0) FROM {s}.history_counts"
-                          " WHERE status::text = ANY(%(statuses)s::text[]){f}").format(
-                s=sql.Identifier(self.schema), f=hot)
+        pairs = ("SELECT queue, status, sum(n) AS n FROM {s}.history_counts"
+                 " WHERE status = ANY(" + _STATUSES + "){pairs} GROUP BY queue, status")
+        # With a task, each (queue, status) pair is one range of jobs_history_task_browse_idx.
+        old = ("SELECT coalesce(sum((SELECT count(*) FROM {s}.jobs_history h"
+               "  WHERE h.task = %(task)s AND h.queue = p.queue AND h.status = p.status)), 0)"
+               " FROM (" + pairs + ") p WHERE p.n > 0") if task else (
+               "SELECT coalesce(sum(n), 0) FROM (" + pairs + ") p")
         return sql.SQL(
-            "SELECT (SELECT count(*) FROM {s}.jobs"
-            "   WHERE status::text = ANY(%(statuses)s::text[]){hot}) + ({old})"
-        ).format(s=sql.Identifier(self.schema), hot=hot, old=old)
+            "SELECT (SELECT count(*) FROM {s}.jobs WHERE status = ANY(" + _STATUSES + "){hot})"
+            " + (" + old + ")"
+        ).format(s=sql.Identifier(self.schema), hot=hot,
+                 pairs=_and((queue, "queue = %(queue)s")))
 
     @property
     def job_detail_by_id(self) -> sql.Composed:
