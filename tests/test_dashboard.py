@@ -369,3 +369,22 @@ async def test_the_readme_example_mounts_it_behind_auth(queue: Queue, pg_dsn: st
         r = await c.get(f"/admin/jobs/jobs/{job_id}", headers=staff)
         assert r.status_code == 200 and 'href="/admin/jobs/jobs"' in r.text
     assert not example.queue.database.is_open
+
+
+async def test_hostile_names_filter_exactly_and_render_as_text(queue: Queue) -> None:
+    from test_security import hostile, tables_intact
+
+    await execute(queue, "CREATE TABLE {s}.canary (x int); INSERT INTO {s}.canary VALUES (1)")
+    names = hostile(queue.schema)
+    ids = {name: await queue.enqueue(name, {name: name}, queue=name) for name in names}
+    async with client(create_app(queue)) as c:
+        for name in names:
+            page = await queue.list_jobs(queue=name, task=name)
+            assert [j.id for j in page.jobs] == [ids[name]], name
+            assert await queue.count_jobs(queue=name, task=name, status="queued") == 1
+            r = await c.get("/jobs", params={"queue": name, "task": name})
+            assert r.status_code == 200, (name, r.text[:300])
+            assert f'href="/jobs/{ids[name]}"' in r.text and str(escape(name)) in r.text
+        assert await queue.cancel_queued(queue=names[0], task=names[0]) == 1
+        assert await queue.count_jobs(status="queued") == len(names) - 1
+    await tables_intact(queue)
