@@ -388,3 +388,19 @@ async def test_hostile_names_filter_exactly_and_render_as_text(queue: Queue) -> 
         assert await queue.cancel_queued(queue=names[0], task=names[0]) == 1
         assert await queue.count_jobs(status="queued") == len(names) - 1
     await tables_intact(queue)
+
+
+async def test_it_starts_without_its_database_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from asgi_lifespan import LifespanManager
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = Queue(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=1,
+                 schema="nowhere")
+    async with LifespanManager(create_app(down)) as manager, client(manager.app) as c:
+        r = await c.get("/")
+        assert r.status_code == 503 and "Traceback" not in r.text
+        assert "Unavailable" in r.text
+    assert "cannot open the queue yet" in caplog.text

@@ -95,7 +95,13 @@ def create_app(queue: Queue, *, read_only: bool = False, auth: Auth | None = Non
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        await dash.ready()
+        try:
+            await dash.ready()
+        except (AsyncJobQError, psycopg.Error) as e:
+            # Up without its database (a wall screen outlives restarts of it): each page says
+            # why and tries to open the queue again.
+            log.warning("dashboard: cannot open the queue yet (%s); pages will say so until "
+                        "the database answers", e)
         try:
             yield
         finally:
