@@ -49,15 +49,7 @@ from .errors import (
     reason,
 )
 from .hooks import Hooks, Middleware
-from .job import (
-    MAX_DELAY,
-    STATUSES,
-    JobDetail,
-    JobInfo,
-    JobPage,
-    JobSummary,
-    RetryResult,
-)
+from .job import MAX_DELAY, STATUSES, JobDetail, JobInfo, JobPage, JobSummary, RetryResult
 from .task import Backoff, Handler, Task
 
 log = logging.getLogger("asyncjobq.queue")
