@@ -15,7 +15,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -641,13 +641,18 @@ def _print_doctor(report: Any) -> None:
               help="Address to listen on (loopback: this host only).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
 @click.option("--read-only", is_flag=True, help="Pages only: no retry, cancel, pause or resume.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A host name (no port) requests may name in Host, besides localhost, "
+                   "127.0.0.1, [::1] and --host when it is not a wildcard address; repeat it "
+                   "for more; '*.example.com' allows subdomains. Any other Host is refused "
+                   "(DNS rebinding).")
 @click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
               help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @_guard
-def dashboard(app: str, host: str, port: int, read_only: bool, dsn: str | None,
-              log_level: str) -> None:
+def dashboard(app: str, host: str, port: int, read_only: bool, allowed_hosts: tuple[str, ...],
+              dsn: str | None, log_level: str) -> None:
     """Serve the web dashboard of APP (needs asyncjobq[dashboard]) until Ctrl-C."""
     from .dashboard import INSTALL, create_app
 
@@ -658,6 +663,8 @@ def dashboard(app: str, host: str, port: int, read_only: bool, dsn: str | None,
     queue = load_app(app)
     if dsn:
         queue.set_dsn(dsn)
+    hosts = dashboard_hosts(host, allowed_hosts)
+    dash_app = create_app(queue, read_only=read_only, allowed_hosts=hosts)
     if not _loopback(host):
         # The CLI has no way to pass auth=: anyone who reaches the port sees every payload.
         click.echo(f"asyncjobq: warning: the dashboard on {host}:{port} has no authentication"
@@ -665,11 +672,25 @@ def dashboard(app: str, host: str, port: int, read_only: bool, dsn: str | None,
                    "can reach it may use it. Bind 127.0.0.1 behind an authenticating proxy, "
                    "or serve asyncjobq.dashboard.create_app(queue, auth=...) in your own ASGI "
                    "app.", err=True)
+    click.echo(f"asyncjobq dashboard: requests naming another Host than {', '.join(hosts)} "
+               "are refused (add names with --allowed-host)", err=True)
     click.echo(f"asyncjobq dashboard for schema {queue.schema}: http://"
                f"{'[' + host + ']' if ':' in host else host}:{port}/"
                f"{' (read-only)' if read_only else ''}", err=True)
-    uvicorn.run(create_app(queue, read_only=read_only), host=host, port=port,
-                log_level=log_level, lifespan="on")
+    uvicorn.run(dash_app, host=host, port=port, log_level=log_level, lifespan="on")
+
+
+def dashboard_hosts(host: str, extra: Sequence[str]) -> list[str]:
+    """The Host names the CLI's dashboard answers: loopback ones, --host unless it is a
+    wildcard address (0.0.0.0, ::), and each --allowed-host."""
+    hosts = ["localhost", "127.0.0.1", "[::1]"]
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = host in ("", "*")
+    if not wildcard:
+        hosts.append(f"[{host}]" if ":" in host else host)
+    return list(dict.fromkeys([*hosts, *extra]))
 
 
 def _loopback(host: str) -> bool:

@@ -45,6 +45,7 @@ from .errors import (
     ConfigurationError,
     InvalidPayloadError,
     QueueClosedError,
+    RetryRaceError,
     a_or_an,
     reason,
 )
@@ -621,17 +622,21 @@ class Queue:
         return out
 
     async def retry_failed(
-        self, queue: str | None = None, task: str | None = None, error_like: str | None = None
+        self, queue: str | None = None, task: str | None = None, error_like: str | None = None,
+        *, max_id: int | None = None
     ) -> RetryResult:
         """Requeue dead-lettered (failed) jobs, attempts reset; returns how many (an int), with
         `.skipped`: the matching ones left failed because their dedup_key is taken (by a
-        queued or running job, or by the newest failed job of that key, requeued instead)."""
+        queued or running job, or by the newest failed job of that key, requeued instead).
+        `max_id`: only jobs with an id up to it (those a preview counted)."""
+        if max_id is not None:
+            _check_int("max_id", max_id, bits=64)
         for what, value in (("queue", queue), ("task", task), ("error_like", error_like)):
             if value is not None and (not isinstance(value, str) or not _storable(value)):
                 raise ConfigurationError(f"{what}={value!r}: use a string without NUL or "
                                          "unpaired surrogates, or None")
         params = {"queue": queue, "task": task, "error_like": error_like,
-                  "channel": self.channel}
+                  "max_id": max_id, "channel": self.channel}
         for _ in range(10):
             try:
                 async with self._conn(None) as c:
@@ -642,8 +647,9 @@ class Queue:
                 # nothing was requeued; the next snapshot sees that job and skips its key.
                 continue
             return RetryResult(int(row[0]), int(row[1])) if row else RetryResult()
-        raise AsyncJobQError("retry_failed kept racing with enqueues of the same dedup_keys: "
-                             "try again")
+        raise RetryRaceError("retry_failed kept racing with enqueues of the same dedup_keys "
+                             "(10 tries): call retry_failed() again once those enqueues "
+                             "settle")
 
     async def leader(self) -> dict[str, Any] | None:
         """The worker leading this schema's maintenance (leader.py): {"worker", "since",
@@ -764,7 +770,8 @@ class Queue:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise ConfigurationError(f"limit={limit!r}: use an integer from 1 to 1000")
         params.update(before=2**63 - 1 if before is None else before, limit=limit + 1)
-        statement = self.sql.job_page(queue=queue is not None, task=task is not None)
+        statement = self.sql.job_page(queue=queue is not None, task=task is not None,
+                                      statuses=params["statuses"])
         async with self._conn(None) as c:
             cur = await c.execute(statement, params)
             rows = await cur.fetchall()
@@ -772,11 +779,21 @@ class Queue:
         return JobPage(jobs, jobs[-1].id if len(rows) > limit else None)
 
     async def count_jobs(self, *, queue: str | None = None, status: str | None = None,
-                         task: str | None = None) -> int:
+                         task: str | None = None, max_id: int | None = None) -> int:
         """How many jobs match the filters (what a bulk retry or cancel would look at). Exact;
-        history is read from its per-queue counts unless a task is given."""
+        history is read from its per-queue counts unless a task is given. `max_id`: only the
+        jobs with an id up to it; it needs a status of the live table (queued, running or
+        failed), as history is counted per queue, not per id."""
         params = _browse_filters(queue, status, task)
-        statement = self.sql.job_count(queue=queue is not None, task=task is not None)
+        if max_id is not None:
+            _check_int("max_id", max_id, bits=64)
+            if status not in ("queued", "running", "failed"):
+                raise ConfigurationError(f"max_id with status={status!r}: pass status "
+                                         "queued, running or failed (history is counted per "
+                                         "queue, not per id)")
+            params["max_id"] = max_id
+        statement = self.sql.job_count(queue=queue is not None, task=task is not None,
+                                       max_id=max_id is not None)
         async with self._conn(None) as c:
             cur = await c.execute(statement, params)
             row = await cur.fetchone()
@@ -803,14 +820,21 @@ class Queue:
                     return await cur.fetchone() is not None
             except psycopg.errors.UniqueViolation:
                 continue  # a job of the same key committed meanwhile: the next snapshot sees it
-        raise AsyncJobQError(f"retry({job_id}) kept racing with enqueues of its dedup_key: "
-                             "try again")
+        raise RetryRaceError(f"retry({job_id}) kept racing with enqueues of its dedup_key "
+                             "(10 tries): call retry() again once those enqueues settle, or "
+                             "give the job's producers a moment")
 
-    async def cancel_queued(self, *, queue: str | None = None, task: str | None = None) -> int:
+    async def cancel_queued(self, *, queue: str | None = None, task: str | None = None,
+                            max_id: int | None = None) -> int:
         """Cancel every queued job of `queue` and/or `task` (both None: every queued job);
-        returns how many. Running jobs are left to finish."""
+        returns how many. Running jobs are left to finish. `max_id`: only jobs with an id up
+        to it (those a preview counted, not ones enqueued since)."""
         params = _browse_filters(queue, None, task)
-        statement = self.sql.job_cancel_queued(queue=queue is not None, task=task is not None)
+        if max_id is not None:
+            _check_int("max_id", max_id, bits=64)
+            params["max_id"] = max_id
+        statement = self.sql.job_cancel_queued(queue=queue is not None, task=task is not None,
+                                               max_id=max_id is not None)
         async with self._conn(None) as c:
             cur = await c.execute(statement, params)
             row = await cur.fetchone()

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from ..errors import ConfigurationError
 from ..queue import check_queue_name
-from ._pages import filters_of
+from ._pages import filters_of, job_id_of, whole_number
 from ._security import FIELD
 from ._state import Dash, dash_of
 
@@ -37,10 +37,7 @@ async def _checked_form(request: Request) -> tuple[Dash, FormData]:
 
 
 def _job_id(request: Request) -> int:
-    raw = request.path_params["job_id"]
-    if not raw.isdigit() or not 1 <= int(raw) < 2**63:
-        raise ConfigurationError(f"{raw!r} is not a job id: use a whole number from 1")
-    return int(raw)
+    return job_id_of(request.path_params["job_id"])
 
 
 def _back(dash: Dash, request: Request, path: str, **query: Any) -> Response:
@@ -83,22 +80,41 @@ async def bulk_preview(request: Request) -> Response:
     filters_of(request)
     action, queue, task = _bulk_of(request.query_params)
     status, label = BULK[action]
-    count = await (await dash.ready()).count_jobs(queue=queue, status=status, task=task)
+    q = await dash.ready()
+    # The newest matching job bounds the action: the form carries its id, and the POST takes
+    # only jobs up to it, so jobs enqueued (or newly failed) after this preview are not
+    # touched by a click on it. The count is of the same jobs.
+    newest = (await q.list_jobs(queue=queue, status=status, task=task, limit=1)).jobs
+    max_id = newest[0].id if newest else None
+    count = 0 if max_id is None else await q.count_jobs(queue=queue, status=status, task=task,
+                                                        max_id=max_id)
     return dash.render(request, "bulk.html", page="jobs", action=action, label=label,
-                       status=status, queue=queue, task=task, count=count)
+                       status=status, queue=queue, task=task, count=count, max_id=max_id)
+
+
+def _form_number(form: FormData, name: str) -> int:
+    raw = form.get(name)
+    value = whole_number(raw) if isinstance(raw, str) else None
+    if value is None:
+        raise ConfigurationError(f"{name}: the form lacks the preview's {name} (a whole number "
+                                 "from 1): open the bulk action's preview again")
+    return value
 
 
 async def bulk(request: Request) -> Response:
     dash, form = await _checked_form(request)
     action, queue, task = _bulk_of(form)
+    max_id = _form_number(form, "max_id")
+    previewed = _form_number(form, "count")
     q = await dash.ready()
     if action == "retry":
-        n = int(await q.retry_failed(queue=queue, task=task))
+        n = int(await q.retry_failed(queue=queue, task=task, max_id=max_id))
     else:
-        n = await q.cancel_queued(queue=queue, task=task)
+        n = await q.cancel_queued(queue=queue, task=task, max_id=max_id)
     status = BULK[action][0]
     return _back(dash, request, "/jobs", status=status, queue=queue, task=task,
-                 note="bulk-retried" if action == "retry" else "bulk-cancelled", n=n)
+                 note="bulk-retried" if action == "retry" else "bulk-cancelled", n=n,
+                 of=previewed)
 
 
 async def pause(request: Request) -> Response:

@@ -14,7 +14,7 @@ from starlette.routing import Route
 from ..errors import ConfigurationError
 from ..job import STATUSES
 from ._chart import throughput_chart
-from ._state import dash_of
+from ._state import DOCTOR_TTL, dash_of
 
 # What an action's redirect may say (the URL carries only the key and a count: a link
 # cannot make the page say anything else).
@@ -30,12 +30,40 @@ NOTES = {
 }
 
 
+def whole_number(raw: str) -> int | None:
+    """`raw` as an int from 1 to 2**63 - 1 (a bigint id), else None. ASCII digits only, at most
+    19 of them: str.isdigit() takes '²' (int() then raises), and int() refuses strings of more
+    than 4300 digits; neither may become a 500."""
+    if re.fullmatch(r"[0-9]{1,19}", raw) is None:
+        return None
+    value = int(raw)
+    return value if 1 <= value < 2**63 else None
+
+
+def job_id_of(raw: str) -> int:
+    """A job id from a URL path, ConfigurationError (400) saying what is wrong otherwise."""
+    value = whole_number(raw)
+    if value is None:
+        raise ConfigurationError(f"{raw[:40]!r} is not a job id: use a whole number from 1 "
+                                 "to 9223372036854775807")
+    return value
+
+
 def note_of(request: Request) -> str | None:
     text = NOTES.get(request.query_params.get("note", ""))
     if text is None:
         return None
-    n = request.query_params.get("n", "")
-    return text.format(n=int(n) if n.isdigit() else "some")
+    counts = {}
+    for name in ("n", "of"):
+        raw = request.query_params.get(name, "")
+        value = 0 if raw == "0" else whole_number(raw) if raw else None
+        if raw and value is None:
+            raise ConfigurationError(f"{name}={raw[:40]!r}: use a whole number from 0")
+        counts[name] = value
+    shown = text.format(n="some" if counts["n"] is None else counts["n"])
+    if counts["of"] is not None and "{n}" in text:
+        shown += f" The preview counted {counts['of']}."
+    return shown
 
 
 # last_error holds every attempt's error, each line-led by "attempt N: ", joined by newlines and
@@ -64,9 +92,11 @@ def _int_param(request: Request, name: str) -> int | None:
     raw = request.query_params.get(name, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 1 or int(raw) >= 2**63:
-        raise ConfigurationError(f"{name}={raw!r}: use a job id, a whole number from 1")
-    return int(raw)
+    value = whole_number(raw)
+    if value is None:
+        raise ConfigurationError(f"{name}={raw[:40]!r}: use a job id, a whole number from 1 "
+                                 "to 9223372036854775807")
+    return value
 
 
 def filters_of(request: Request) -> dict[str, str | None]:
@@ -116,13 +146,11 @@ async def jobs(request: Request) -> Response:
 
 async def job(request: Request) -> Response:
     dash = dash_of(request)
-    raw = request.path_params["job_id"]
-    if not raw.isdigit() or not 1 <= int(raw) < 2**63:
-        raise ConfigurationError(f"{raw!r} is not a job id: use a whole number from 1")
+    job_id = job_id_of(request.path_params["job_id"])
     q = await dash.ready()
-    detail = await q.get_detail(int(raw))
+    detail = await q.get_detail(job_id)
     if detail is None:
-        raise HTTPException(404, f"no job {raw}: it never existed, or finished and was "
+        raise HTTPException(404, f"no job {job_id}: it never existed, or finished and was "
                                  "pruned from history")
     return dash.render(request, "job.html", page="jobs", job=detail, note=note_of(request),
                        errors=attempt_errors(detail.last_error))
@@ -147,8 +175,10 @@ async def doctor(request: Request) -> Response:
     from ..doctor import diagnose
 
     dash = dash_of(request)
-    report = await diagnose(await dash.ready())
-    return dash.render(request, "doctor.html", page="doctor", report=report)
+    q = await dash.ready()
+    computed_at, report = await dash.doctor_report(lambda: diagnose(q))
+    return dash.render(request, "doctor.html", page="doctor", report=report,
+                       computed_at=computed_at, doctor_ttl=DOCTOR_TTL)
 
 
 def routes() -> list[Route]:

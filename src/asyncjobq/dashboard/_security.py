@@ -3,9 +3,19 @@
 CSRF: a signed double-submit token. The token is random bytes and their HMAC under a secret
 drawn when the app is created; it is set in an HttpOnly, SameSite=Strict cookie and repeated in
 each form's hidden field. An action needs both, equal (hmac.compare_digest), and the signature
-valid: a sibling subdomain that can plant a cookie cannot mint one the app accepts. The
-request's Origin (or Sec-Fetch-Site) must also be this site, so a cross-site form is refused
-even by a browser that ignores SameSite.
+valid. The signature alone does not stop a sibling subdomain that can plant cookies: it can
+fetch a page of the dashboard itself, get a token the app signed, plant that in the cookie and
+repeat it in its form. What refuses such a form is the Origin check: the request's Origin (or
+Sec-Fetch-Site) must be this site, so a form posted from another origin (a sibling subdomain
+included) is refused, even by a browser that ignores SameSite.
+
+Host: with `allowed_hosts` (create_app; the CLI always sets it) a request naming another Host
+is refused (400) before anything else runs, so a DNS-rebinding page (evil.example resolved to
+127.0.0.1) can neither read pages nor post actions: its requests carry Host evil.example, and
+the Origin check alone would accept them (Origin and Host agree there).
+
+Every response also says it may not be framed (X-Frame-Options, CSP frame-ancestors) and runs
+only the app's own script and style (Content-Security-Policy).
 """
 
 from __future__ import annotations
@@ -18,9 +28,10 @@ import secrets
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
+from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("asyncjobq.dashboard")
 
@@ -53,6 +64,36 @@ class AuthGate:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+# Only the app's own script (dash.js), style (dash.css), images and fetches; forms post only to
+# it; no page may frame it (clickjacking of the action buttons).
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+       "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+SECURITY_HEADERS = {"x-frame-options": "DENY", "content-security-policy": CSP,
+                    "x-content-type-options": "nosniff",
+                    "referrer-policy": "same-origin"}
+
+
+class SecurityHeaders:
+    """ASGI middleware: SECURITY_HEADERS on every HTTP response (refusals included)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 class Csrf:

@@ -21,6 +21,9 @@ from ._security import COOKIE, FIELD, Csrf
 # database what one does.
 OVERVIEW_TTL = 2.0
 REFRESH_SECONDS = 5
+# Seconds the doctor's findings are reused: diagnose() reads all of history, so each page view
+# must not run it again (nor may two views run it at once).
+DOCTOR_TTL = 30.0
 
 
 @dataclass
@@ -35,6 +38,8 @@ class Dash:
     opened_here: bool = False
     _open_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
+    _doctor_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _doctor: tuple[float, datetime, Any] | None = None
 
     async def ready(self) -> Queue:
         """The queue, opened on first use when no lifespan did (a mounted app's lifespan does
@@ -53,6 +58,16 @@ class Dash:
         value = await make()
         self._cache[key] = (time.monotonic(), value)
         return value
+
+    async def doctor_report(self, make: Callable[[], Awaitable[Any]]) -> tuple[datetime, Any]:
+        """(when it was computed, the report): made at most once per DOCTOR_TTL seconds, by
+        one request at a time; the others wait for it and share it."""
+        async with self._doctor_lock:
+            hit = self._doctor
+            if hit is None or time.monotonic() - hit[0] >= DOCTOR_TTL:
+                report = await make()
+                hit = self._doctor = (time.monotonic(), datetime.now(UTC), report)
+            return hit[1], hit[2]
 
     def forget(self) -> None:
         """After an action: the next page shows its effect, not cached figures."""

@@ -9,18 +9,25 @@ pick the index that the filter needs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from psycopg import sql
 
 from .common import HISTORY_COLUMNS, Role
 
 # Columns of JobSummary (job.py), in this order: no payload, the error cut short.
+# last_error holds every attempt's error, oldest first (claim.py): the list shows its newest
+# 300 characters, the latest attempt's.
 SUMMARY_COLUMNS = ("id, task, queue, status, attempts, max_attempts, priority, run_at, "
-                   "left(last_error, 300), created_at, finished_at")
+                   "right(last_error, 300), created_at, finished_at")
 # Columns of JobDetail: JobInfo's, then the worker, its lock time and the dedup key.
 DETAIL_COLUMNS = ("id, task, queue, status, attempts, max_attempts, priority, run_at, "
                   "last_error, created_at, finished_at, payload, locked_by, {locked_at}, "
                   "dedup_key")
 
+
+# The statuses a job has while in the live table (jobs); done and cancelled ones are in history.
+LIVE_STATUSES = ("queued", "running", "failed")
 
 # The statuses asked for, as the enum: compared as text, no index on status could be used.
 _STATUSES = "%(statuses)s::text[]::{s}.job_status[]"
@@ -31,10 +38,13 @@ def _and(*conditions: tuple[bool, str]) -> sql.SQL:
 
 
 class BrowseStatements(Role):
-    def job_page(self, *, queue: bool, task: bool) -> sql.Composed:
-        # Newest first, `id < before`. The live table (queued, running, failed) is read by its
-        # primary key, backwards. History is read per (queue, status) pair that has rows (from
-        # history_counts: a few rows), each branch stopping after `limit` rows, through
+    def job_page(self, *, queue: bool, task: bool, statuses: Sequence[str]) -> sql.Composed:
+        # Newest first, `id < before`. The live table (queued, running, failed) is read only
+        # when one of those statuses is asked for (done and cancelled jobs are never in it), its
+        # statuses written as literals so that the planner can use a partial index: failed
+        # rows alone through jobs_failed_id_idx, the others by the primary key, backwards.
+        # History is read per (queue, status) pair that has rows (from history_counts: a few
+        # rows), each branch stopping after `limit` rows, through
         # jobs_history_queue_browse_idx, or jobs_history_task_browse_idx when a task is given.
         # Each branch orders by its index's columns (fixed within the branch, so the order is
         # by id): the primary key cannot give that order, so the planner never walks history
@@ -43,11 +53,19 @@ class BrowseStatements(Role):
         pairs = _and((queue, "queue = %(queue)s"))
         branch = _and((task, "h.task = %(task)s"))
         order = "h.task DESC, h.queue DESC" if task else "h.queue DESC"
+        live = [st for st in statuses if st in LIVE_STATUSES]
+        hot_cte: sql.Composable = sql.SQL("")
+        hot_part: sql.Composable = sql.SQL("")
+        if live:
+            hot_cte = sql.SQL(
+                "hot AS (SELECT {cols} FROM {s}.jobs j"
+                "   WHERE j.status IN ({live}) AND j.id < %(before)s{hot}"
+                "   ORDER BY j.id DESC LIMIT %(limit)s),"
+            ).format(cols=sql.SQL(SUMMARY_COLUMNS), s=sql.Identifier(self.schema),
+                     live=sql.SQL(", ").join(sql.Literal(st) for st in live), hot=hot)
+            hot_part = sql.SQL("SELECT * FROM hot UNION ALL ")
         return sql.SQL(
-            "WITH hot AS (SELECT {cols} FROM {s}.jobs j"
-            "   WHERE j.status = ANY(%(statuses)s::text[]::{s}.job_status[])"
-            "   AND j.id < %(before)s{hot}"
-            "   ORDER BY j.id DESC LIMIT %(limit)s),"
+            "WITH {hot_cte}"
             " pairs AS (SELECT queue, status FROM {s}.history_counts"
             "   WHERE status = ANY(%(statuses)s::text[]::{s}.job_status[]){pairs}"
             "   GROUP BY queue, status HAVING sum(n) > 0),"
@@ -55,15 +73,19 @@ class BrowseStatements(Role):
             "   SELECT {cols} FROM {s}.jobs_history h"
             "   WHERE h.queue = p.queue AND h.status = p.status AND h.id < %(before)s{branch}"
             "   ORDER BY {order}, h.status DESC, h.id DESC LIMIT %(limit)s) h)"
-            " SELECT * FROM (SELECT * FROM hot UNION ALL SELECT * FROM old) page"
+            " SELECT * FROM ({hot_part}SELECT * FROM old) page"
             " ORDER BY id DESC LIMIT %(limit)s"
-        ).format(cols=sql.SQL(SUMMARY_COLUMNS), s=sql.Identifier(self.schema), hot=hot,
+        ).format(cols=sql.SQL(SUMMARY_COLUMNS), s=sql.Identifier(self.schema),
+                 hot_cte=hot_cte, hot_part=hot_part,
                  pairs=pairs, branch=branch, order=sql.SQL(order))
 
-    def job_count(self, *, queue: bool, task: bool) -> sql.Composed:
+    def job_count(self, *, queue: bool, task: bool, max_id: bool = False) -> sql.Composed:
         # The live table is counted; history is summed from history_counts (exact, a few rows)
-        # unless a task is given, which only its index can count.
-        hot = _and((queue, "queue = %(queue)s"), (task, "task = %(task)s"))
+        # unless a task is given, which only its index can count. `max_id` (live statuses
+        # only: Queue.count_jobs checks) counts the jobs up to that id, as a bulk action's
+        # preview shows them.
+        hot = _and((queue, "queue = %(queue)s"), (task, "task = %(task)s"),
+                   (max_id, "id <= %(max_id)s"))
         pairs = ("SELECT queue, status, sum(n) AS n FROM {s}.history_counts"
                  " WHERE status = ANY(" + _STATUSES + "){pairs} GROUP BY queue, status")
         # With a task, each (queue, status) pair is one range of jobs_history_task_browse_idx.
@@ -102,7 +124,9 @@ class BrowseStatements(Role):
             " SELECT queue, pg_notify(%(channel)s, json_build_object("
             "   'queue', queue, 'run_at', extract(epoch FROM now()))::text) FROM requeued")
 
-    def job_cancel_queued(self, *, queue: bool, task: bool) -> sql.Composed:
+    def job_cancel_queued(self, *, queue: bool, task: bool, max_id: bool = False
+                          ) -> sql.Composed:
+        # `max_id`: only the jobs up to that id (those a bulk action's preview counted).
         return sql.SQL(
             "WITH cancelled AS ("
             " DELETE FROM {s}.jobs WHERE status = 'queued'{f} RETURNING *),"
@@ -113,7 +137,8 @@ class BrowseStatements(Role):
             " SELECT count(*) FROM moved"
         ).format(s=sql.Identifier(self.schema),
                  h=sql.SQL(HISTORY_COLUMNS),
-                 f=_and((queue, "queue = %(queue)s"), (task, "task = %(task)s")))
+                 f=_and((queue, "queue = %(queue)s"), (task, "task = %(task)s"),
+                        (max_id, "id <= %(max_id)s")))
 
     @property
     def throughput_per_minute(self) -> sql.Composed:
