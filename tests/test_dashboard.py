@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import TESTS, WorkerProcess, execute, wait_for
+from conftest import TESTS, WorkerProcess, execute, fetchval, wait_for
 from markupsafe import escape
 from starlette.applications import Starlette
 from starlette.routing import Mount
@@ -38,6 +38,12 @@ def token_in(page: str) -> str:
     found = re.search(r'name="csrf_token" value="([^"]+)"', page)
     assert found, "no CSRF field in the page"
     return found.group(1)
+
+
+def hidden_fields(page: str) -> dict[str, str]:
+    """The hidden inputs of the page's (first) form, as the browser would post them."""
+    return {html.unescape(n): html.unescape(v) for n, v in
+            re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', page)}
 
 
 async def failed_job(queue: Queue, task: str = "t.fail", error: str = HOSTILE_ERROR,
@@ -235,16 +241,15 @@ async def test_retry_bulk_and_pause_from_the_pages(queue: Queue) -> None:
         assert "Retry all matching" in listing
         preview = (await c.get("/bulk", params={"action": "retry", "task": "t.y"})).text
         assert 'data-count="3"' in preview
-        r = await c.post("/bulk", data={"csrf_token": token_in(preview), "action": "retry",
-                                        "task": "t.y", "queue": ""})
+        r = await c.post("/bulk", data=hidden_fields(preview))
         assert r.status_code == 303
         assert "Requeued 3 failed job(s)." in (await c.get(r.headers["location"])).text
         assert {(await queue.get(i)).status for i in others} == {"queued"}  # type: ignore[union-attr]
 
         preview = (await c.get("/bulk", params={"action": "cancel", "queue": "slow"})).text
         assert 'data-count="4"' in preview
-        r = await c.post("/bulk", data={"csrf_token": token_in(preview), "action": "cancel",
-                                        "queue": "slow", "task": ""})
+        assert hidden_fields(preview)["queue"] == "slow"
+        r = await c.post("/bulk", data=hidden_fields(preview))
         assert "Cancelled 4 queued job(s)." in (await c.get(r.headers["location"])).text
         assert {(await queue.get(i)).status for i in waiting} == {"cancelled"}  # type: ignore[union-attr]
         r = await c.get("/bulk", params={"action": "delete"})
@@ -315,11 +320,19 @@ async def test_the_cli_serves_it_and_warns_off_loopback(queue: Queue, pg_dsn: st
                 return False
 
         await wait_for(up, timeout=30, interval=0.1, what="the dashboard command to serve")
+        async with httpx.AsyncClient() as c:
+            url = f"http://127.0.0.1:{port}/"
+            for name, status in (("evil.example", 400), (f"evil.example:{port}", 400),
+                                 (f"localhost:{port}", 200), (f"[::1]:{port}", 200)):
+                r = await c.get(url, headers={"host": name})
+                assert r.status_code == status, (name, r.status_code)
+                assert r.headers["x-frame-options"] == "DENY"
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert ("has no authentication" in err) is warns, err
     assert f"http://{host}:{port}/ (read-only)" in err
+    assert "another Host than localhost, 127.0.0.1, [::1]" in err
 
 
 def test_chart_buckets_minutes() -> None:
@@ -404,3 +417,266 @@ async def test_it_starts_without_its_database_and_says_so(
         assert r.status_code == 503 and "Traceback" not in r.text
         assert "Unavailable" in r.text
     assert "cannot open the queue yet" in caplog.text
+
+
+# --- the review's findings ----------------------------------------------------------------
+
+async def test_a_host_not_allowed_is_refused_before_anything_runs(queue: Queue) -> None:
+    """DNS rebinding: a page at http://evil.example:8080 whose name resolves to the dashboard's
+    address sends Host (and Origin) evil.example; Origin matches Host, so only the Host check
+    stops it reading pages and posting actions."""
+    job_id = await queue.enqueue("t.a", {})
+    asked: list[str] = []
+
+    def auth(request: Any) -> bool:
+        asked.append(request.headers["host"])
+        return True
+
+    app = create_app(queue, auth=auth, allowed_hosts=["dash.test", "::1", "*.corp.example"])
+    async with client(app) as c:
+        token = token_in((await c.get(f"/jobs/{job_id}")).text)
+        evil = {"host": "evil.example:8080", "origin": "http://evil.example:8080"}
+        for path in ("/", "/jobs", f"/jobs/{job_id}", "/doctor", "/static/dash.js"):
+            r = await c.get(path, headers=evil)
+            assert r.status_code == 400, (path, r.status_code)
+            assert "Invalid host header" in r.text
+        for path, data in ((f"/jobs/{job_id}/cancel", {}), ("/pause", {"queue": "default"}),
+                           ("/bulk", {"action": "cancel", "max_id": str(job_id),
+                                      "count": "1"})):
+            r = await c.post(path, data={"csrf_token": token, **data}, headers=evil)
+            assert r.status_code == 400, (path, r.status_code)
+        assert "evil.example:8080" not in asked  # refused before auth ran
+        assert (await queue.get(job_id)).status == "queued"  # type: ignore[union-attr]
+        assert await queue.paused() == {}
+        for host in ("dash.test:80", "[::1]:8080", "a.corp.example"):
+            assert (await c.get("/", headers={"host": host})).status_code == 200, host
+        r = await c.post(f"/jobs/{job_id}/cancel", data={"csrf_token": token},
+                         headers={"origin": "http://dash.test"})
+        assert r.status_code == 303
+    for bad in ("localhost", ["localhost:8080"], [], ["a.*.example"], [None]):
+        with pytest.raises(ValueError, match="allowed_hosts"):
+            create_app(queue, allowed_hosts=bad)  # type: ignore[arg-type]
+
+
+def test_the_cli_allows_loopback_names_its_host_and_the_ones_given() -> None:
+    from asyncjobq.cli import dashboard_hosts
+
+    loop = ["localhost", "127.0.0.1", "[::1]"]
+    assert dashboard_hosts("127.0.0.1", ()) == loop
+    assert dashboard_hosts("0.0.0.0", ()) == loop
+    assert dashboard_hosts("::", ("jobs.example.com",)) == [*loop, "jobs.example.com"]
+    assert dashboard_hosts("10.0.0.5", ("a.example", "b.example")) == [
+        *loop, "10.0.0.5", "a.example", "b.example"]
+    assert dashboard_hosts("fd00::5", ()) == [*loop, "[fd00::5]"]
+
+
+def assert_secured(r: httpx.Response) -> None:
+    assert r.headers.get("x-frame-options") == "DENY", (r.request.url, r.status_code)
+    csp = r.headers.get("content-security-policy", "")
+    assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp, csp
+    assert "default-src 'none'" in csp and "style-src 'self'" in csp, csp
+
+
+async def test_every_response_forbids_framing_and_foreign_scripts(queue: Queue) -> None:
+    await queue.enqueue("t.a", {})  # the overview's queue row has the pause form
+    async with client(create_app(queue, allowed_hosts=["dash.test"])) as c:
+        token = token_in((await c.get("/")).text)
+        responses = [await c.get(p) for p in ("/", "/jobs", "/static/dash.css", "/doctor",
+                                             "/static/nope", "/jobs/abc", "/jobs/424242")]
+        responses.append(await c.get("/", headers={"host": "evil.example"}))  # 400
+        responses.append(await c.post("/pause", data={"queue": "x"}))  # 403, no token
+        responses.append(await c.post("/pause", data={"csrf_token": token, "queue": "q"},
+                                      headers={"origin": "http://dash.test"}))  # 303
+        assert {r.status_code for r in responses} >= {200, 303, 400, 403, 404}
+        for r in responses:
+            assert_secured(r)
+    async with client(create_app(queue, auth=lambda r: False)) as c:
+        assert_secured(await c.get("/"))  # the auth gate's 403 too
+
+
+@pytest.mark.parametrize("path, says", [
+    ("/jobs?id=%C2%B2", "id=&#39;²&#39;: use a job id"),
+    ("/jobs/%C2%B2", "&#39;²&#39; is not a job id"),
+    ("/jobs/%D9%A3", "is not a job id"),  # ARABIC-INDIC DIGIT THREE: isdigit() too
+    (f"/jobs?before={'9' * 5000}", "before=&#39;9999"),
+    (f"/jobs/{'9' * 5000}", "is not a job id"),
+    ("/jobs?before=9223372036854775808", "use a job id"),
+    ("/jobs?note=bulk-cancelled&n=%C2%B2", "n=&#39;²&#39;: use a whole number"),
+    (f"/jobs?note=bulk-cancelled&n={'9' * 5000}", "n=&#39;9999"),
+    ("/?note=bulk-retried&n=3&of=%C2%B9", "of=&#39;¹&#39;: use a whole number"),
+])
+async def test_odd_numbers_get_a_400_not_a_500(queue: Queue, path: str, says: str) -> None:
+    async with client(create_app(queue)) as c:
+        r = await c.get(path)
+    assert r.status_code == 400, r.text[:300]
+    assert says in r.text and "Traceback" not in r.text
+    assert len(r.text) < 20_000  # the 5000 digits are not echoed back
+
+
+async def test_odd_ids_in_action_paths_get_a_400(queue: Queue) -> None:
+    await queue.enqueue("t.a", {})  # the overview's queue row has the pause form
+    async with client(create_app(queue)) as c:
+        token = token_in((await c.get("/")).text)
+        for path in ("/jobs/%C2%B2/cancel", "/jobs/%C2%B2/retry", f"/jobs/{'9' * 5000}/retry"):
+            r = await c.post(path, data={"csrf_token": token})
+            assert r.status_code == 400 and "is not a job id" in r.text, (path, r.text[:200])
+        assert "Cancelled 0 queued job(s)." in (await c.get("/jobs?note=bulk-cancelled&n=0")).text
+
+
+async def test_a_bulk_action_takes_only_the_jobs_its_preview_counted(queue: Queue) -> None:
+    waiting = await queue.enqueue_many("t.z", [{}] * 3, queue="slow")
+    failed = [await failed_job(queue, task="t.f") for _ in range(2)]
+    async with client(create_app(queue)) as c:
+        cancel = (await c.get("/bulk", params={"action": "cancel", "queue": "slow"})).text
+        retry = (await c.get("/bulk", params={"action": "retry"})).text
+        assert 'data-count="3"' in cancel and 'data-count="2"' in retry
+        form = hidden_fields(cancel)
+        assert form["max_id"] == str(max(waiting)) and form["count"] == "3"
+        # Between the preview and the click: a job is enqueued, another fails.
+        late = await queue.enqueue("t.z", {}, queue="slow")
+        late_failed = await failed_job(queue, task="t.f")
+        r = await c.post("/bulk", data=form)
+        assert r.status_code == 303
+        page = (await c.get(r.headers["location"])).text
+        assert "Cancelled 3 queued job(s). The preview counted 3." in page
+        r = await c.post("/bulk", data=hidden_fields(retry))
+        assert "Requeued 2 failed job(s)." in (await c.get(r.headers["location"])).text
+        # A form without the preview's bound (not from a preview) is refused.
+        no_bound = {k: v for k, v in form.items() if k != "max_id"}
+        r = await c.post("/bulk", data=no_bound)
+        assert r.status_code == 400 and "open the bulk action" in r.text
+    assert {(await queue.get(i)).status for i in waiting} == {"cancelled"}  # type: ignore[union-attr]
+    assert (await queue.get(late)).status == "queued"  # type: ignore[union-attr]
+    assert {(await queue.get(i)).status for i in failed} == {"queued"}  # type: ignore[union-attr]
+    assert (await queue.get(late_failed)).status == "failed"  # type: ignore[union-attr]
+    assert await queue.count_jobs(status="queued", queue="slow", max_id=late - 1) == 0
+    with pytest.raises(ValueError, match="max_id with status"):
+        await queue.count_jobs(status="done", max_id=5)
+
+
+async def _plan(queue: Queue, **filters: Any) -> str:
+    from asyncjobq.queue import _browse_filters
+
+    params = _browse_filters(filters.get("queue"), filters.get("status"), filters.get("task"))
+    params.update(before=2**63 - 1, limit=51)
+    statement = queue.sql.job_page(queue="queue" in filters, task="task" in filters,
+                                   statuses=params["statuses"])
+    async with queue.connection() as conn:
+        cur = await conn.execute(b"EXPLAIN " + statement.as_bytes(conn), params)
+        return "\n".join(row[0] for row in await cur.fetchall())
+
+
+async def test_the_jobs_list_reads_the_live_table_only_for_live_statuses(queue: Queue) -> None:
+    await queue.enqueue_many("t.q", [{}] * 2000)
+    for _ in range(3):
+        await failed_job(queue)
+    ids = await queue.enqueue_many("t.c", [{}] * 5)
+    assert await queue.cancel_queued(task="t.c") == 5
+    await execute(queue, "ANALYZE {s}.jobs")
+    for status in ("done", "cancelled"):
+        plan = await _plan(queue, status=status)
+        assert " on jobs " not in plan and "jobs_pkey" not in plan, plan
+    plan = await _plan(queue, status="failed")
+    assert "jobs_failed_id_idx" in plan and "jobs_pkey" not in plan, plan
+    page = await queue.list_jobs(status="cancelled")
+    assert [j.id for j in page.jobs] == sorted(ids, reverse=True)
+    assert len((await queue.list_jobs(status="failed")).jobs) == 3
+
+
+async def test_the_list_shows_the_newest_attempts_error(queue: Queue) -> None:
+    text = "attempt 1: " + "OLDEST " * 100 + "\nattempt 2: NEWEST boom"
+    job_id = await failed_job(queue, error=text)
+    (summary,) = (await queue.list_jobs(status="failed")).jobs
+    assert summary.id == job_id and summary.last_error is not None
+    assert summary.last_error.endswith("attempt 2: NEWEST boom")
+    assert len(summary.last_error) == 300
+    async with client(create_app(queue)) as c:
+        assert "NEWEST boom" in (await c.get("/jobs?status=failed")).text
+
+
+async def test_the_doctor_runs_once_per_30_s_and_one_at_a_time(
+        queue: Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from asyncjobq import doctor
+    from asyncjobq.dashboard import _state
+
+    real = doctor.diagnose
+    runs = 0
+
+    async def counted(q: Queue) -> Any:
+        nonlocal runs
+        runs += 1
+        await asyncio.sleep(0.2)
+        return await real(q)
+
+    monkeypatch.setattr(doctor, "diagnose", counted)
+    async with client(create_app(queue)) as c:
+        pages = await asyncio.gather(*(c.get("/doctor") for _ in range(4)))
+        assert {r.status_code for r in pages} == {200} and runs == 1
+        assert "computed at" in pages[0].text
+        assert (await c.get("/doctor")).status_code == 200 and runs == 1
+        monkeypatch.setattr(_state, "DOCTOR_TTL", 0.0)
+        assert (await c.get("/doctor")).status_code == 200 and runs == 2
+
+
+async def test_retry_that_keeps_racing_raises_a_named_error(
+        queue: Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from psycopg import sql
+
+    from asyncjobq import AsyncJobQError, RetryRaceError
+
+    await execute(queue, "CREATE FUNCTION {s}.always_taken(bigint, text) RETURNS int"
+                         " LANGUAGE plpgsql AS $$ BEGIN RAISE unique_violation; END $$")
+    racing = sql.SQL("SELECT {s}.always_taken(%(id)s, %(channel)s)").format(
+        s=sql.Identifier(queue.schema))
+    monkeypatch.setattr(Queue, "sql", property(lambda q: SimpleNamespace(job_retry_one=racing)))
+    with pytest.raises(RetryRaceError, match=r"retry\(7\) kept racing.*call retry\(\) again"):
+        await queue.retry(7)
+    assert issubclass(RetryRaceError, AsyncJobQError)
+
+
+async def test_migration_0008_does_not_deadlock_with_a_completion(queue: Queue,
+                                                                  pg_dsn: str) -> None:
+    """A completion locks jobs (its DELETE), then jobs_history (its INSERT); 0008 runs in the
+    install's one transaction. Building the history indexes first held SHARE on history while
+    waiting for jobs: the completion's INSERT then waited on history, a deadlock. 0008 now
+    locks jobs first, so the completion finishes and the install goes on after it."""
+    import asyncio
+
+    import psycopg
+
+    from asyncjobq._db import migrations
+
+    names = [n for n, d in migrations.expected_indexes().items() if "browse" in n
+             or n == "jobs_failed_id_idx"]
+    assert len(names) == 4, names
+    for name in names:
+        await execute(queue, f"DROP INDEX {{s}}.{name}")
+    await execute(queue, "DELETE FROM {s}.migrations WHERE version = 8")
+    first, second = await queue.enqueue_many("t.a", [{}, {}])
+    s = psycopg.sql.Identifier(queue.schema)
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as completion, \
+            await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watch:
+        await completion.execute("SET lock_timeout = '20s'")
+        await completion.execute(psycopg.sql.SQL("DELETE FROM {s}.jobs WHERE id = %s")
+                                 .format(s=s), (first,))
+        install = asyncio.create_task(queue.install())
+
+        async def install_waits() -> bool:
+            assert not install.done(), install.result()
+            cur = await watch.execute("SELECT count(*) FROM pg_locks WHERE NOT granted"
+                                      " AND relation = %s::regclass", (f"{queue.schema}.jobs",))
+            row = await cur.fetchone()
+            return bool(row and row[0])
+
+        await wait_for(install_waits, timeout=20, interval=0.05, what="the install to wait")
+        # The completion's INSERT into history (with another DELETE, as a cancel does).
+        await completion.execute(queue.sql.job_cancel, (second,))
+        await completion.commit()
+        assert await asyncio.wait_for(install, timeout=30) == [8]
+    left = await fetchval(queue, "SELECT array_agg(indexname::text ORDER BY indexname)"
+                                 " FROM pg_indexes WHERE schemaname = %s", queue.schema)
+    assert set(names) <= set(left)
