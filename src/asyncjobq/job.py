@@ -106,8 +106,8 @@ class Fail(Exception):
 
 @dataclass(frozen=True)
 class JobSummary:
-    """A job as `Queue.list_jobs` lists it: no payload, and `last_error` cut at 300
-    characters (`Queue.get_detail` has all of both)."""
+    """A job as `Queue.list_jobs` lists it: no payload, and `last_error` cut to its last 300
+    characters, the newest attempt's (`Queue.get_detail` has all of both)."""
 
     id: int
     task: str
