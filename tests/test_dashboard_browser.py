@@ -43,7 +43,8 @@ async def served(queue: Queue, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator
     monkeypatch.setattr(_state, "REFRESH_SECONDS", 1)
     monkeypatch.setattr(_state, "OVERVIEW_TTL", 0.2)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(queue), host="127.0.0.1", port=port,
+    app = create_app(queue, allowed_hosts=["127.0.0.1"])  # as the CLI does: Host checked
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
     task = asyncio.create_task(server.serve())
     await wait_for(lambda: server.started or task.done(), timeout=20, what="uvicorn start")
@@ -70,6 +71,8 @@ async def page(tmp_path: Path) -> AsyncIterator[Any]:
             await dialog.dismiss()
 
         pg.on("dialog", on_dialog)
+        pg.console = []  # what the page logged: a blocked script or style shows here
+        pg.on("console", lambda message: pg.console.append(message.text))
         try:
             yield pg
         finally:
@@ -112,6 +115,10 @@ async def test_overview_follows_a_live_worker(queue: Queue, served: str, page: A
         assert "Workers seen" in await page.content()
         await page.screenshot(path=str(shots(tmp_path) / "overview.png"))
     assert page.dialogs == []
+    # The Content-Security-Policy lets the app's own script (the refresh above) and style run.
+    assert not [m for m in page.console if "Content Security Policy" in m], page.console
+    assert await page.evaluate("document.styleSheets.length") == 1
+    assert await page.evaluate("document.styleSheets[0].cssRules.length") > 0
 
 
 async def test_open_a_failed_job_retry_it_and_see_it_done(queue: Queue, served: str,
