@@ -680,3 +680,32 @@ async def test_migration_0008_does_not_deadlock_with_a_completion(queue: Queue,
     left = await fetchval(queue, "SELECT array_agg(indexname::text ORDER BY indexname)"
                                  " FROM pg_indexes WHERE schemaname = %s", queue.schema)
     assert set(names) <= set(left)
+
+
+async def test_a_bulk_action_touches_no_more_jobs_than_its_preview_counted(
+        queue: Queue) -> None:
+    """A job older than the preview's newest that becomes queued (a backoff) or failed after
+    the preview is below max_id: the count caps the action, newest first."""
+    older, *queued = await queue.enqueue_many("t.z", [{}] * 3, queue="slow")
+    old_failed = await failed_job(queue, task="t.f")
+    failed = [await failed_job(queue, task="t.f") for _ in range(2)]
+    for job_id in (older, old_failed):  # running while the previews count
+        await execute(queue, "UPDATE {s}.jobs SET status = 'running' WHERE id = %s", job_id)
+    async with client(create_app(queue)) as c:
+        cancel = hidden_fields((await c.get("/bulk", params={"action": "cancel",
+                                                            "queue": "slow"})).text)
+        retry = hidden_fields((await c.get("/bulk", params={"action": "retry"})).text)
+        assert cancel["count"] == "2" and retry["count"] == "2"
+        await execute(queue, "UPDATE {s}.jobs SET status = 'queued' WHERE id = %s", older)
+        await execute(queue, "UPDATE {s}.jobs SET status = 'failed' WHERE id = %s", old_failed)
+        r = await c.post("/bulk", data=cancel)
+        assert "Cancelled 2 queued job(s)." in (await c.get(r.headers["location"])).text
+        r = await c.post("/bulk", data=retry)
+        assert "Requeued 2 failed job(s)." in (await c.get(r.headers["location"])).text
+    assert {(await queue.get(i)).status for i in queued} == {"cancelled"}  # type: ignore[union-attr]
+    assert (await queue.get(older)).status == "queued"  # type: ignore[union-attr]
+    assert {(await queue.get(i)).status for i in failed} == {"queued"}  # type: ignore[union-attr]
+    assert (await queue.get(old_failed)).status == "failed"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="limit"):
+        await queue.cancel_queued(limit=0)
+    assert int(await queue.retry_failed(limit=1)) == 1

@@ -623,24 +623,27 @@ class Queue:
 
     async def retry_failed(
         self, queue: str | None = None, task: str | None = None, error_like: str | None = None,
-        *, max_id: int | None = None
+        *, max_id: int | None = None, limit: int | None = None
     ) -> RetryResult:
         """Requeue dead-lettered (failed) jobs, attempts reset; returns how many (an int), with
         `.skipped`: the matching ones left failed because their dedup_key is taken (by a
         queued or running job, or by the newest failed job of that key, requeued instead).
-        `max_id`: only jobs with an id up to it (those a preview counted)."""
+        `max_id`: only jobs with an id up to it (those a preview counted); `limit`: at most
+        that many of the matching jobs, the newest (a preview's count)."""
         if max_id is not None:
             _check_int("max_id", max_id, bits=64)
+        _check_limit(limit)
         for what, value in (("queue", queue), ("task", task), ("error_like", error_like)):
             if value is not None and (not isinstance(value, str) or not _storable(value)):
                 raise ConfigurationError(f"{what}={value!r}: use a string without NUL or "
                                          "unpaired surrogates, or None")
         params = {"queue": queue, "task": task, "error_like": error_like,
-                  "max_id": max_id, "channel": self.channel}
+                  "max_id": max_id, "limit": limit, "channel": self.channel}
+        statement = self.sql.job_retry_failed_at_most(capped=limit is not None)
         for _ in range(10):
             try:
                 async with self._conn(None) as c:
-                    cur = await c.execute(self.sql.job_retry_failed, params)
+                    cur = await c.execute(statement, params)
                     row = await cur.fetchone()
             except psycopg.errors.UniqueViolation:
                 # A job with one of the keys was enqueued after the statement's snapshot:
@@ -825,16 +828,20 @@ class Queue:
                              "give the job's producers a moment")
 
     async def cancel_queued(self, *, queue: str | None = None, task: str | None = None,
-                            max_id: int | None = None) -> int:
+                            max_id: int | None = None, limit: int | None = None) -> int:
         """Cancel every queued job of `queue` and/or `task` (both None: every queued job);
         returns how many. Running jobs are left to finish. `max_id`: only jobs with an id up
-        to it (those a preview counted, not ones enqueued since)."""
+        to it (those a preview counted, not ones enqueued since); `limit`: at most that many,
+        the newest (a preview's count)."""
         params = _browse_filters(queue, None, task)
         if max_id is not None:
             _check_int("max_id", max_id, bits=64)
             params["max_id"] = max_id
+        _check_limit(limit)
+        params["limit"] = limit
         statement = self.sql.job_cancel_queued(queue=queue is not None, task=task is not None,
-                                               max_id=max_id is not None)
+                                               max_id=max_id is not None,
+                                               capped=limit is not None)
         async with self._conn(None) as c:
             cur = await c.execute(statement, params)
             row = await cur.fetchone()
@@ -991,6 +998,13 @@ def _check_int(what: str, value: object, bits: int = 32) -> None:
     limit = 2 ** (bits - 1)
     if isinstance(value, bool) or not isinstance(value, int) or not -limit <= value < limit:
         raise ConfigurationError(f"{what}={value!r}: use a {bits}-bit integer")
+
+
+def _check_limit(limit: object) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1):
+        raise ConfigurationError(f"limit={limit!r}: use a whole number from 1, or None for "
+                                 "every matching job")
 
 
 def _check_max_attempts(value: object) -> None:

@@ -107,10 +107,13 @@ async def bulk(request: Request) -> Response:
     max_id = _form_number(form, "max_id")
     previewed = _form_number(form, "count")
     q = await dash.ready()
+    # Only jobs up to the preview's newest, and never more than it counted: a job that
+    # became failed or queued again since (an older id: a retry, a backoff) may take the
+    # place of one that left, but the action touches no more jobs than the page said.
     if action == "retry":
-        n = int(await q.retry_failed(queue=queue, task=task, max_id=max_id))
+        n = int(await q.retry_failed(queue=queue, task=task, max_id=max_id, limit=previewed))
     else:
-        n = await q.cancel_queued(queue=queue, task=task, max_id=max_id)
+        n = await q.cancel_queued(queue=queue, task=task, max_id=max_id, limit=previewed)
     status = BULK[action][0]
     return _back(dash, request, "/jobs", status=status, queue=queue, task=task,
                  note="bulk-retried" if action == "retry" else "bulk-cancelled", n=n,

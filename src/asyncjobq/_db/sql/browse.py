@@ -124,12 +124,18 @@ class BrowseStatements(Role):
             " SELECT queue, pg_notify(%(channel)s, json_build_object("
             "   'queue', queue, 'run_at', extract(epoch FROM now()))::text) FROM requeued")
 
-    def job_cancel_queued(self, *, queue: bool, task: bool, max_id: bool = False
-                          ) -> sql.Composed:
-        # `max_id`: only the jobs up to that id (those a bulk action's preview counted).
+    def job_cancel_queued(self, *, queue: bool, task: bool, max_id: bool = False,
+                          capped: bool = False) -> sql.Composed:
+        # `max_id`: only the jobs up to that id (those a bulk action's preview counted);
+        # `capped`: only the newest %(limit)s of them (never more than the preview counted). The
+        # DELETE checks status again: a job claimed meanwhile is left to run.
+        where = sql.SQL("status = 'queued'{f}")
+        if capped:
+            where = sql.SQL("status = 'queued' AND id IN (SELECT id FROM {s}.jobs"
+                            " WHERE status = 'queued'{f} ORDER BY id DESC LIMIT %(limit)s)")
         return sql.SQL(
             "WITH cancelled AS ("
-            " DELETE FROM {s}.jobs WHERE status = 'queued'{f} RETURNING *),"
+            " DELETE FROM {s}.jobs WHERE {where} RETURNING *),"
             " moved AS (INSERT INTO {s}.jobs_history ({h})"
             " SELECT id, queue, task, payload, 'cancelled', priority, run_at, attempts,"
             "   max_attempts, dedup_key, locked_by, last_error, created_at, now()"
@@ -137,8 +143,10 @@ class BrowseStatements(Role):
             " SELECT count(*) FROM moved"
         ).format(s=sql.Identifier(self.schema),
                  h=sql.SQL(HISTORY_COLUMNS),
-                 f=_and((queue, "queue = %(queue)s"), (task, "task = %(task)s"),
-                        (max_id, "id <= %(max_id)s")))
+                 where=where.format(
+                     s=sql.Identifier(self.schema),
+                     f=_and((queue, "queue = %(queue)s"), (task, "task = %(task)s"),
+                            (max_id, "id <= %(max_id)s"))))
 
     @property
     def throughput_per_minute(self) -> sql.Composed:
