@@ -330,7 +330,10 @@ async def test_upgrade_backfills_an_existing_history(pg_dsn: str, schema: str) -
         assert await q.stats() == before
         indexes = await fetchval(q, "SELECT array_agg(indexname::text) FROM pg_indexes"
                                  " WHERE schemaname = %s AND tablename = 'jobs_history'", schema)
-        assert sorted(indexes) == ["jobs_history_finished_brin", "jobs_history_pkey"]
+        # 0003 dropped the (queue, status) index; 0008 adds the dashboard's browse indexes.
+        assert sorted(indexes) == ["jobs_history_finished_brin", "jobs_history_pkey",
+                                   "jobs_history_queue_browse_idx",
+                                   "jobs_history_task_browse_idx"]
         assert "autosummarize=on" in await fetchval(
             q, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
             f"{schema}.jobs_history_finished_brin")

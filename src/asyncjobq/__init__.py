@@ -10,6 +10,7 @@ from .errors import (
     EnqueueRefusedError,
     InvalidPayloadError,
     QueueClosedError,
+    RetryRaceError,
     SchemaNotInstalledError,
     SchemaVersionError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "Queue",
     "QueueClosedError",
     "Retry",
+    "RetryRaceError",
     "RetryResult",
     "SchemaNotInstalledError",
     "SchemaVersionError",

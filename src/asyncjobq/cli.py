@@ -1,5 +1,5 @@
 """`python -m asyncjobq`: worker, install, enqueue, status, schedules, retry-failed, cancel,
-prune, doctor, demo.
+prune, doctor, dashboard, demo.
 
 Mistakes exit 2 (usage) or 1 (runtime) with one line on stderr that says what to do.
 """
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import ipaddress
 import json
 import logging
 import os
 import re
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from .errors import (
     AppImportError,
     AsyncJobQError,
     ConfigurationError,
+    ExtraNotInstalledError,
     MetricsPortInUseError,
     a_or_an,
     reason,
@@ -671,6 +673,73 @@ def _print_doctor(report: Any) -> None:
     problems = sum(f.level == "problem" for f in report.findings)
     console.print("healthy" if report.healthy else f"{problems} problem(s) found",
                   style="green" if report.healthy else "bold red")
+
+
+@main.command()
+@click.argument("app", callback=_app_param)
+@click.option("--host", default="127.0.0.1", show_default=True, metavar="ADDR",
+              help="Address to listen on (loopback: this host only).")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
+@click.option("--read-only", is_flag=True, help="Pages only: no retry, cancel, pause or resume.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A host name (no port) requests may name in Host, besides localhost, "
+                   "127.0.0.1, [::1] and --host when it is not a wildcard address; repeat it "
+                   "for more; '*.example.com' allows subdomains. Any other Host is refused "
+                   "(DNS rebinding).")
+@click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
+              help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+@_guard
+def dashboard(app: str, host: str, port: int, read_only: bool, allowed_hosts: tuple[str, ...],
+              dsn: str | None, log_level: str) -> None:
+    """Serve the web dashboard of APP (needs asyncjobq[dashboard]) until Ctrl-C."""
+    from .dashboard import INSTALL, create_app
+
+    try:
+        import uvicorn
+    except ImportError:
+        raise ExtraNotInstalledError(INSTALL) from None
+    queue = load_app(app)
+    if dsn:
+        queue.set_dsn(dsn)
+    hosts = dashboard_hosts(host, allowed_hosts)
+    dash_app = create_app(queue, read_only=read_only, allowed_hosts=hosts)
+    if not _loopback(host):
+        # The CLI has no way to pass auth=: anyone who reaches the port sees every payload.
+        click.echo(f"asyncjobq: warning: the dashboard on {host}:{port} has no authentication"
+                   f"{'' if read_only else ' and can retry, cancel and pause'}: anyone who "
+                   "can reach it may use it. Bind 127.0.0.1 behind an authenticating proxy, "
+                   "or serve asyncjobq.dashboard.create_app(queue, auth=...) in your own ASGI "
+                   "app.", err=True)
+    click.echo(f"asyncjobq dashboard: requests naming another Host than {', '.join(hosts)} "
+               "are refused (add names with --allowed-host)", err=True)
+    click.echo(f"asyncjobq dashboard for schema {queue.schema}: http://"
+               f"{'[' + host + ']' if ':' in host else host}:{port}/"
+               f"{' (read-only)' if read_only else ''}", err=True)
+    uvicorn.run(dash_app, host=host, port=port, log_level=log_level, lifespan="on")
+
+
+def dashboard_hosts(host: str, extra: Sequence[str]) -> list[str]:
+    """The Host names the CLI's dashboard answers: loopback ones, --host unless it is a
+    wildcard address (0.0.0.0, ::), and each --allowed-host."""
+    hosts = ["localhost", "127.0.0.1", "[::1]"]
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = host in ("", "*")
+    if not wildcard:
+        hosts.append(f"[{host}]" if ":" in host else host)
+    return list(dict.fromkeys([*hosts, *extra]))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @main.command()

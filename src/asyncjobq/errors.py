@@ -57,6 +57,11 @@ class QueueClosedError(AsyncJobQError):
     """The Queue's pool is not open."""
 
 
+class RetryRaceError(AsyncJobQError):
+    """Queue.retry or retry_failed kept meeting new jobs of the same dedup_key (each try
+    requeued nothing): call it again once those enqueues settle."""
+
+
 class AppImportError(AsyncJobQError):
     """The worker's APP (module:attribute) cannot be imported or is not a Queue."""
 

@@ -103,3 +103,41 @@ class Fail(Exception):
     def __init__(self, reason: str = "failed by handler") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """A job as `Queue.list_jobs` lists it: no payload, and `last_error` cut to its last 300
+    characters, the newest attempt's (`Queue.get_detail` has all of both)."""
+
+    id: int
+    task: str
+    queue: str
+    status: JobStatus
+    attempts: int
+    max_attempts: int
+    priority: int
+    run_at: datetime
+    last_error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """One page of `Queue.list_jobs`, newest first. `next_before` is the `before=` of the next
+    (older) page, None on the last one."""
+
+    jobs: list[JobSummary]
+    next_before: int | None
+
+
+@dataclass(frozen=True)
+class JobDetail(JobInfo):
+    """A job as `Queue.get_detail` reads it: JobInfo, the worker that last held it
+    (`locked_by`), when that worker last renewed its lock (running jobs only), and its
+    dedup_key. The schema keeps the last attempt's error only (`last_error`)."""
+
+    worker: str | None = None
+    locked_at: datetime | None = None
+    dedup_key: str | None = None

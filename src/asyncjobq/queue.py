@@ -45,11 +45,12 @@ from .errors import (
     ConfigurationError,
     InvalidPayloadError,
     QueueClosedError,
+    RetryRaceError,
     a_or_an,
     reason,
 )
 from .hooks import Hooks, Middleware
-from .job import MAX_DELAY, STATUSES, JobInfo, RetryResult
+from .job import MAX_DELAY, STATUSES, JobDetail, JobInfo, JobPage, JobSummary, RetryResult
 from .task import Backoff, Handler, Task, parse_rate
 
 log = logging.getLogger("asyncjobq.queue")
@@ -653,29 +654,37 @@ class Queue:
         return out
 
     async def retry_failed(
-        self, queue: str | None = None, task: str | None = None, error_like: str | None = None
+        self, queue: str | None = None, task: str | None = None, error_like: str | None = None,
+        *, max_id: int | None = None, limit: int | None = None
     ) -> RetryResult:
         """Requeue dead-lettered (failed) jobs, attempts reset; returns how many (an int), with
         `.skipped`: the matching ones left failed because their dedup_key is taken (by a
-        queued or running job, or by the newest failed job of that key, requeued instead)."""
+        queued or running job, or by the newest failed job of that key, requeued instead).
+        `max_id`: only jobs with an id up to it (those a preview counted); `limit`: at most
+        that many of the matching jobs, the newest (a preview's count)."""
+        if max_id is not None:
+            _check_int("max_id", max_id, bits=64)
+        _check_limit(limit)
         for what, value in (("queue", queue), ("task", task), ("error_like", error_like)):
             if value is not None and (not isinstance(value, str) or not _storable(value)):
                 raise ConfigurationError(f"{what}={value!r}: use a string without NUL or "
                                          "unpaired surrogates, or None")
         params = {"queue": queue, "task": task, "error_like": error_like,
-                  "channel": self.channel}
+                  "max_id": max_id, "limit": limit, "channel": self.channel}
+        statement = self.sql.job_retry_failed_at_most(capped=limit is not None)
         for _ in range(10):
             try:
                 async with self._conn(None) as c:
-                    cur = await c.execute(self.sql.job_retry_failed, params)
+                    cur = await c.execute(statement, params)
                     row = await cur.fetchone()
             except psycopg.errors.UniqueViolation:
                 # A job with one of the keys was enqueued after the statement's snapshot:
                 # nothing was requeued; the next snapshot sees that job and skips its key.
                 continue
             return RetryResult(int(row[0]), int(row[1])) if row else RetryResult()
-        raise AsyncJobQError("retry_failed kept racing with enqueues of the same dedup_keys: "
-                             "try again")
+        raise RetryRaceError("retry_failed kept racing with enqueues of the same dedup_keys "
+                             "(10 tries): call retry_failed() again once those enqueues "
+                             "settle")
 
     async def leader(self) -> dict[str, Any] | None:
         """The worker leading this schema's maintenance (leader.py): {"worker", "since",
@@ -800,6 +809,117 @@ class Queue:
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_cancel, (job_id,))
             return await cur.fetchone() is not None
+
+    # --- browsing (the dashboard's reads and actions; _db/sql/browse.py) -------------------
+
+    async def list_jobs(self, *, queue: str | None = None, status: str | None = None,
+                        task: str | None = None, before: int | None = None,
+                        limit: int = 50) -> JobPage:
+        """A page of jobs, newest first, live and finished: those with an id below `before`
+        (the previous page's `next_before`; None: the newest), filtered by queue, status and
+        task when given. Pages cost the same at any history size (0008_browse_indexes.sql)."""
+        params = _browse_filters(queue, status, task)
+        if before is not None:
+            _check_int("before", before, bits=64)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise ConfigurationError(f"limit={limit!r}: use an integer from 1 to 1000")
+        params.update(before=2**63 - 1 if before is None else before, limit=limit + 1)
+        statement = self.sql.job_page(queue=queue is not None, task=task is not None,
+                                      statuses=params["statuses"])
+        async with self._conn(None) as c:
+            cur = await c.execute(statement, params)
+            rows = await cur.fetchall()
+        jobs = [JobSummary(*row) for row in rows[:limit]]
+        return JobPage(jobs, jobs[-1].id if len(rows) > limit else None)
+
+    async def count_jobs(self, *, queue: str | None = None, status: str | None = None,
+                         task: str | None = None, max_id: int | None = None) -> int:
+        """How many jobs match the filters (what a bulk retry or cancel would look at). Exact;
+        history is read from its per-queue counts unless a task is given. `max_id`: only the
+        jobs with an id up to it; it needs a status of the live table (queued, running or
+        failed), as history is counted per queue, not per id."""
+        params = _browse_filters(queue, status, task)
+        if max_id is not None:
+            _check_int("max_id", max_id, bits=64)
+            if status not in ("queued", "running", "failed"):
+                raise ConfigurationError(f"max_id with status={status!r}: pass status "
+                                         "queued, running or failed (history is counted per "
+                                         "queue, not per id)")
+            params["max_id"] = max_id
+        statement = self.sql.job_count(queue=queue is not None, task=task is not None,
+                                       max_id=max_id is not None)
+        async with self._conn(None) as c:
+            cur = await c.execute(statement, params)
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async def get_detail(self, job_id: int) -> JobDetail | None:
+        """The job in full (payload, last error, timestamps, worker); None if unknown."""
+        _check_int("job_id", job_id, bits=64)
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.job_detail_by_id, {"id": job_id})
+            row = await cur.fetchone()
+        return None if row is None else JobDetail(*row)
+
+    async def retry(self, job_id: int) -> bool:
+        """Requeue one failed (dead-lettered) job, attempts reset; False when it is not failed,
+        or when another job holds its dedup_key (queued or running): retry it once that one
+        has finished."""
+        _check_int("job_id", job_id, bits=64)
+        for _ in range(10):
+            try:
+                async with self._conn(None) as c:
+                    cur = await c.execute(self.sql.job_retry_one,
+                                          {"id": job_id, "channel": self.channel})
+                    return await cur.fetchone() is not None
+            except psycopg.errors.UniqueViolation:
+                continue  # a job of the same key committed meanwhile: the next snapshot sees it
+        raise RetryRaceError(f"retry({job_id}) kept racing with enqueues of its dedup_key "
+                             "(10 tries): call retry() again once those enqueues settle, or "
+                             "give the job's producers a moment")
+
+    async def cancel_queued(self, *, queue: str | None = None, task: str | None = None,
+                            max_id: int | None = None, limit: int | None = None) -> int:
+        """Cancel every queued job of `queue` and/or `task` (both None: every queued job);
+        returns how many. Running jobs are left to finish. `max_id`: only jobs with an id up
+        to it (those a preview counted, not ones enqueued since); `limit`: at most that many,
+        the newest (a preview's count)."""
+        params = _browse_filters(queue, None, task)
+        if max_id is not None:
+            _check_int("max_id", max_id, bits=64)
+            params["max_id"] = max_id
+        _check_limit(limit)
+        params["limit"] = limit
+        statement = self.sql.job_cancel_queued(queue=queue is not None, task=task is not None,
+                                               max_id=max_id is not None,
+                                               capped=limit is not None)
+        async with self._conn(None) as c:
+            cur = await c.execute(statement, params)
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async def throughput(self, minutes: int = 60) -> list[tuple[datetime, str, str, int]]:
+        """Jobs finished per minute over the last `minutes` (1 to 1440): (minute, queue,
+        status, count) rows, oldest first, for the minutes that had any; status is done,
+        cancelled or failed. Reads the history of that span (its BRIN index)."""
+        if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 1440:
+            raise ConfigurationError(f"minutes={minutes!r}: use an integer from 1 to 1440")
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.throughput_per_minute, {"m": minutes})
+            return [(at, str(q), str(s), int(n)) for at, q, s, n in await cur.fetchall()]
+
+    async def workers_seen(self, within: float = 300.0) -> list[dict[str, Any]]:
+        """Workers seen lately, most recent first: {"worker", "seen_at", "running"} for those
+        holding jobs now, those that finished one in the last `within` seconds, and the
+        leader. An idle worker that is not the leader is not seen (there is no table of
+        workers)."""
+        if isinstance(within, bool) or not isinstance(within, int | float) \
+                or not math.isfinite(within) or within <= 0:
+            raise ConfigurationError(f"within={within!r}: use a number of seconds above 0")
+        async with self._conn(None) as c:
+            cur = await c.execute(self.sql.workers_seen, {"secs": float(within)})
+            return [{"worker": str(w), "seen_at": at, "running": int(n)}
+                    for w, at, n in await cur.fetchall()]
 
 
 # Seconds pause() waits at most for claims that started before it committed (Queue.pause).
@@ -956,6 +1076,13 @@ def _check_int(what: str, value: object, bits: int = 32) -> None:
         raise ConfigurationError(f"{what}={value!r}: use a {bits}-bit integer")
 
 
+def _check_limit(limit: object) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1):
+        raise ConfigurationError(f"limit={limit!r}: use a whole number from 1, or None for "
+                                 "every matching job")
+
+
 def _check_max_attempts(value: object) -> None:
     _check_int("max_attempts", value)
     assert isinstance(value, int)
@@ -988,3 +1115,16 @@ def _task_name(task: object) -> str:
             f"task={task!r}: pass the task's name (a string) or the Task object")
     _check_task_name(task)
     return task
+
+
+def _browse_filters(queue: object, status: object, task: object) -> dict[str, Any]:
+    """The bound parameters of a browse statement; ConfigurationError naming a bad filter."""
+    if queue is not None:
+        check_queue_name(queue)
+    if task is not None:
+        _check_task_name(task)
+    if status is not None and status not in STATUSES:
+        raise ConfigurationError(f"status={status!r}: use one of {', '.join(STATUSES)}, "
+                                 "or None for all")
+    return {"queue": queue, "task": task,
+            "statuses": list(STATUSES) if status is None else [status]}

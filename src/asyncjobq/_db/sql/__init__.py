@@ -4,7 +4,7 @@ Statements are composed with psycopg.sql; the schema is always an Identifier and
 always a bound parameter. `statements(schema)` builds the set once per schema. Each role has its
 module: enqueue.py (producers), claim.py (the worker's claim, completion and heartbeat),
 maintenance.py (reaper, leader, pruner, vacuum, periodic scheduler), admin.py (install, admin
-calls, doctor).
+calls, doctor), browse.py (the jobs list and its actions, for the dashboard).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from .admin import AdminStatements
+from .browse import BrowseStatements
 from .claim import WorkerStatements
 from .common import CLAIM_COLUMNS, HISTORY_COLUMNS, INFO_COLUMNS, IndexDefinition
 from .enqueue import EnqueueStatements
@@ -23,7 +24,8 @@ __all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition"
 
 
 @dataclass(frozen=True)
-class Statements(EnqueueStatements, WorkerStatements, MaintenanceStatements, AdminStatements):
+class Statements(EnqueueStatements, WorkerStatements, MaintenanceStatements, AdminStatements,
+                 BrowseStatements):
     schema: str
 
 

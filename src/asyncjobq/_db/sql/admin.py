@@ -94,6 +94,10 @@ class AdminStatements(Role):
 
     @property
     def job_retry_failed(self) -> sql.Composed:
+        return self.job_retry_failed_at_most(capped=False)
+
+    def job_retry_failed_at_most(self, *, capped: bool) -> sql.Composed:
+        # `capped`: only the newest %(limit)s matching jobs (a bulk action's preview count).
         # At most one queued-or-running job per dedup_key (jobs_dedup_idx): of the matching
         # failed jobs sharing a key, only the newest is requeued, and none while a live job
         # holds the key; the others stay failed and are counted as skipped. A live job
@@ -105,7 +109,9 @@ class AdminStatements(Role):
             " WHERE j.status = 'failed'"
             "   AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)"
             "   AND (%(task)s::text IS NULL OR j.task = %(task)s)"
-            "   AND (%(error_like)s::text IS NULL OR j.last_error LIKE %(error_like)s)),"
+            "   AND (%(error_like)s::text IS NULL OR j.last_error LIKE %(error_like)s)"
+            "   AND (%(max_id)s::bigint IS NULL OR j.id <= %(max_id)s)"
+            + (" ORDER BY j.id DESC LIMIT %(limit)s" if capped else "") + "),"
             " chosen AS ("
             " SELECT id FROM matching WHERE dedup_key IS NULL"
             " UNION ALL"
