@@ -20,7 +20,16 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import ROOT, WorkerProcess, fetchval, run_cli, running, spawn_worker, wait_for
+from conftest import (
+    ROOT,
+    WorkerProcess,
+    execute,
+    fetchval,
+    run_cli,
+    running,
+    spawn_worker,
+    wait_for,
+)
 
 from asyncjobq import ConfigurationError, Job, Queue, Worker
 
@@ -318,3 +327,27 @@ async def test_limits_refuse_to_run_outside_read_committed(queue: Queue) -> None
         cur = await conn.execute(queue.sql.job_claim_one_queue_limited, params)
         assert len(await cur.fetchall()) == 1
         await conn.rollback()
+
+
+async def test_a_key_with_more_waiting_retries_than_its_limit_still_moves(queue: Queue) -> None:
+    """Two jobs of one key waiting for another attempt (run at once under an older, looser
+    limit, say) with key_limit=1 now: they run again one at a time, then the key's new job."""
+    events: list[tuple[str, int]] = []
+
+    @queue.task(name="step", key_limit=1)
+    async def step(job: Job) -> None:
+        events.append(("start", job.payload["seq"]))
+        await asyncio.sleep(0.02)
+        events.append(("end", job.payload["seq"]))
+
+    await queue.enqueue_many("step", [{"seq": i} for i in range(3)], keys=["k"] * 3)
+    await execute(queue, "UPDATE {s}.jobs SET attempts = 1 WHERE (payload->>'seq')::int < 2")
+    async with running(Worker(queue, concurrency=5)):
+        await wait_for(lambda: len(events) == 6, 20, what="the key's three jobs")
+    assert events == [("start", 0), ("end", 0), ("start", 1), ("end", 1), ("start", 2),
+                      ("end", 2)]
+
+
+def test_worker_sessions_turn_jit_off(queue: Queue) -> None:
+    # A generic plan of the limited claim is costed past jit_above_cost on a large table.
+    assert "'jit', 'off'" in queue.sql.session_worker_plans.as_string(None)

@@ -34,9 +34,11 @@ ROLE = "fetch"
 # claimed for ever. Remembered for this many jobs at most.
 LOST_CLAIM_TIMES = 3
 LOST_CLAIM_MEMORY = 10_000
-# A claim held rows back for a concurrency or key limit: claim again this soon (at most
-# poll_interval). The worker that finishes the job holding the slot usually starts the next
-# one in the same flush; this is for the other workers, which no notification tells.
+# A claim held rows back for a concurrency or key limit: claim again this soon, doubling while
+# claims come back with nothing, up to poll_interval (so poll_interval bounds how long a slot
+# freed by another worker waits to be seen here). The worker that finishes the job holding the
+# slot usually starts the next one in the same flush; this is for the other workers, which no
+# notification tells.
 HELD_RETRY = 0.1
 
 
@@ -128,9 +130,9 @@ class Fetcher:
         # no limited task, the plain claim.
         self._limits = json.dumps(limits, sort_keys=True) if limits else None
         self.held_back = 0  # rows limits held back, summed over claims
-        # While claims come back short only because their scans step over rows a limit
-        # holds (a full task, busy keys), they are retried after this long, doubling up to
-        # poll_interval: a limit that stays full costs a claim a poll_interval.
+        # While claims come back with nothing because a limit holds their rows back, they
+        # are retried after this long, doubling up to poll_interval: a limit that stays full
+        # costs a claim a poll_interval.
         self._held_retry = HELD_RETRY
 
     @property
@@ -192,8 +194,6 @@ class Fetcher:
         self.held_back += held
         if retry_at is not None:
             delay = max(0.0, retry_at.timestamp() - time.time())
-        elif held:
-            delay = min(self._poll_interval, HELD_RETRY)
         else:
             delay = min(self._poll_interval, self._held_retry)
             self._held_retry = min(self._poll_interval, 2 * self._held_retry)

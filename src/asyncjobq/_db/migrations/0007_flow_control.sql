@@ -53,7 +53,10 @@ DECLARE
   -- admitted by it.
   used jsonb := '{}';
   name text;
+  kname text;
   n bigint;
+  waiting bigint;
+  started bigint;
   cap bigint;
   period interval;
   oldest timestamptz;
@@ -133,26 +136,29 @@ BEGIN
     END IF;
 
     IF c.key IS NOT NULL AND lim ? 'k' THEN
-      name := jsonb_build_array('k', c.task, c.key)::text;
+      kname := jsonb_build_array('k', c.task, c.key)::text;
       cap := (lim ->> 'k')::bigint;
-      n := (used ->> name)::bigint;
-      IF n IS NULL THEN
-        -- A key's holders: its running jobs (but those this statement finishes for good,
-        -- done or failed), and its jobs waiting for another attempt: a job being retried
-        -- keeps its place, the key's next job waits for it.
+      IF NOT used ? kname THEN
+        -- A key's holders: its running jobs (but those this statement ends for good, done or
+        -- failed), and its jobs waiting for another attempt: a job being retried keeps its
+        -- place, the key's next new job waits for it.
         SELECT count(*) INTO n FROM jobs r
          WHERE r.task = c.task AND r.key = c.key AND r.status = 'running' AND r.flow
            AND NOT (r.locked_by = worker AND EXISTS (
              SELECT FROM unnest(out_ids, out_attempts, out_final) AS o(id, attempt, final)
               WHERE o.id = r.id AND o.attempt = r.attempts AND o.final));
-        n := n + (SELECT count(*) FROM jobs q
-                   WHERE q.task = c.task AND q.key = c.key AND q.status = 'queued'
-                     AND q.attempts > 0);
-        used := used || jsonb_build_object(name, n, name || ' before', n);
+        SELECT count(*) INTO waiting FROM jobs q
+         WHERE q.task = c.task AND q.key = c.key AND q.status = 'queued' AND q.attempts > 0;
+        used := used || jsonb_build_object(kname, n, kname || ' waiting', waiting,
+                                           kname || ' admitted', 0);
       END IF;
+      n := (used ->> kname)::bigint;
+      waiting := (used ->> (kname || ' waiting'))::bigint;
+      started := (used ->> (kname || ' admitted'))::bigint;
       IF c.attempts > 0 THEN
-        -- A holder already: it may run when the key's other holders leave it room.
-        IF n - 1 >= cap THEN
+        -- A holder already: it runs again when the key's running jobs leave it room (several
+        -- waiting ones take their turns in claim order), whatever the other waiting ones.
+        IF n + started >= cap THEN
           held := held + 1;
           CONTINUE;
         END IF;
@@ -164,13 +170,13 @@ BEGIN
            WHERE e.task = c.task AND e.key = c.key AND e.status = 'queued'
              AND e.attempts = 0 AND e.run_at <= t0
            ORDER BY e.priority DESC, e.run_at, e.id
-           LIMIT greatest(0, cap - (used ->> (name || ' before'))::bigint)) e;
-        IF n >= cap OR NOT c.id = ANY(coalesce(head, '{}')) THEN
+           LIMIT greatest(0, cap - n - waiting)) e;
+        IF n + waiting + started >= cap OR NOT c.id = ANY(coalesce(head, '{}')) THEN
           held := held + 1;
           CONTINUE;
         END IF;
-        used := used || jsonb_build_object(name, n + 1);
       END IF;
+      used := used || jsonb_build_object(kname || ' admitted', started + 1);
     END IF;
 
     IF lim ? 'c' THEN
