@@ -85,6 +85,10 @@ async def test_user_data_renders_as_text(queue: Queue) -> None:
         assert str(escape(HOSTILE_ERROR)) in detail
         r = await c.get("/jobs", params={"task": HOSTILE, "queue": HOSTILE})
         assert "<script>alert" not in r.text
+        # A flow-control key (enqueue(key=)) is user data too.
+        keyed = await queue.enqueue("t.keyed", {}, key=f"account:{HOSTILE}")
+        page = (await c.get(f"/jobs/{keyed}")).text
+        assert f"account:{escape(HOSTILE)}" in page and "<script>alert" not in page
 
 
 async def test_auth_is_asked_for_every_request_and_assets(queue: Queue) -> None:
