@@ -87,7 +87,11 @@ async def running(worker: Worker) -> AsyncIterator[Worker]:
         yield worker
     finally:
         worker.stop()
-        await asyncio.wait_for(task, timeout=worker.shutdown_timeout + 20)
+        # The shutdown's own bounded waits (worker.py, _fetch_then_shutdown): the flush in
+        # flight and the running handlers (shutdown_timeout each), cancelled ones (5 s), the
+        # last outcomes (10 s), hooks (5 s), a lost claim's release (10 s); then resigning.
+        # A shutdown slower than that is a hang; one within it, on a loaded machine, is not.
+        await asyncio.wait_for(task, timeout=2 * worker.shutdown_timeout + 45)
 
 
 async def fetchval(q: Queue, query: str, *params: Any) -> Any:
