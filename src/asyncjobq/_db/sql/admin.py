@@ -12,6 +12,7 @@ from .common import (
     Role,
     _advisory_xact_lock,
     _q,
+    history_row,
 )
 
 
@@ -161,8 +162,7 @@ class AdminStatements(Role):
             "WITH cancelled AS ("
             " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *)"
             " INSERT INTO {s}.jobs_history ({h})"
-            " SELECT id, queue, task, payload, 'cancelled', priority, run_at, attempts,"
-            "   max_attempts, dedup_key, locked_by, last_error, created_at, now(), key"
+            " SELECT " + history_row("cancelled") +
             " FROM cancelled RETURNING id"
         ).format(s=sql.Identifier(self.schema), h=sql.SQL(HISTORY_COLUMNS))
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from psycopg import sql
 
-from .common import HISTORY_COLUMNS, Role
+from .common import HISTORY_COLUMNS, Role, history_row
 
 # Columns of JobSummary (job.py), in this order: no payload, the error cut short.
 # last_error holds every attempt's error, oldest first (claim.py): the list shows its newest
@@ -138,8 +138,7 @@ class BrowseStatements(Role):
             "WITH cancelled AS ("
             " DELETE FROM {s}.jobs WHERE {where} RETURNING *),"
             " moved AS (INSERT INTO {s}.jobs_history ({h})"
-            " SELECT id, queue, task, payload, 'cancelled', priority, run_at, attempts,"
-            "   max_attempts, dedup_key, locked_by, last_error, created_at, now(), key"
+            " SELECT " + history_row("cancelled") +
             " FROM cancelled RETURNING 1)"
             " SELECT count(*) FROM moved"
         ).format(s=sql.Identifier(self.schema),

@@ -8,7 +8,7 @@ from functools import cached_property
 
 from psycopg import sql
 
-from .common import CLAIM_COLUMNS, Role, _q
+from .common import CLAIM_COLUMNS, Role, _q, history_row
 
 # Not ended by this statement: a running row r of this worker whose attempt a completion
 # folded into the same statement finishes no longer runs (flow_out; for a key, `final` ones
@@ -273,8 +273,7 @@ class WorkerStatements(Role):
         "  RETURNING j.*),"
         " archived AS ("
         "  INSERT INTO {s}.jobs_history ({h})"
-        "  SELECT id, queue, task, payload, 'done', priority, run_at, attempts,"
-        "    max_attempts, dedup_key, locked_by, last_error, created_at, now(), key"
+        " SELECT " + history_row("done") +
         "  FROM finished RETURNING id),"
         " updated AS ("
         "  UPDATE {s}.jobs j SET"

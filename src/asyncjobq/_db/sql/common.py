@@ -24,6 +24,14 @@ HISTORY_COLUMNS = (
 )
 
 
+def history_row(status: str) -> str:
+    """The SELECT list (HISTORY_COLUMNS' order) that moves a `jobs` row deleted by the same
+    statement into jobs_history as `status`, finished now: one list for every statement that
+    finishes jobs, so a column added to both tables is added once."""
+    return (f"id, queue, task, payload, '{status}', priority, run_at, attempts, max_attempts,"
+            " dedup_key, locked_by, last_error, created_at, now(), key")
+
+
 @dataclass(frozen=True)
 class IndexDefinition:
     """An index as a migration creates it: `CREATE [UNIQUE] INDEX name ON table definition`,
