@@ -397,10 +397,11 @@ async def test_a_handler_that_turns_a_lost_lease_into_an_outcome_writes_nothing(
         queue: Queue, turns_into: str) -> None:
     """Cancelled for a lost lease, a handler that answers with a Fail, a Retry, an error of its
     own or a plain return must not have it written: another attempt may hold the row."""
-    cancelled = asyncio.Event()
+    started, cancelled = asyncio.Event(), asyncio.Event()
 
     @queue.task(name="stubborn_async", max_attempts=1)
     async def stubborn_async(job: Job) -> None:
+        started.set()
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
@@ -415,7 +416,9 @@ async def test_a_handler_that_turns_a_lost_lease_into_an_outcome_writes_nothing(
     job_id = await stubborn_async.enqueue({})
     w = Worker(queue, concurrency=1, lease=60.0, poll_interval=0.1)
     async with running(w):
-        await wait_for(lambda: bool(w._running), timeout=10, what="the job running")
+        # Its body, not only its task: a task cancelled before its first step never sees the
+        # CancelledError this test is about (a CI run under load hit that).
+        await wait_for(started.is_set, timeout=10, what="the handler running")
         w._lease_lost(set(w._running))
         await wait_for(cancelled.is_set, timeout=10, what="the handler cancelled")
         await wait_for(lambda: not w._running, timeout=10, what="the handler ended")
