@@ -237,6 +237,23 @@ async def test_doctor_finds_a_missing_index(queue: Queue) -> None:
             " (queue, priority DESC, run_at, id) WHERE status = 'queued'") in found
 
 
+async def test_doctor_gives_the_statement_that_restores_the_queue_autovacuum_settings(
+        queue: Queue) -> None:
+    def lacking(report: Report) -> list[str]:
+        return [f.advice for f in report.findings if f.check == "autovacuum"
+                and "lacks the queue autovacuum settings" in f.message]
+
+    assert lacking(await diagnose(queue)) == []
+    await execute(queue, "ALTER TABLE {s}.jobs RESET (autovacuum_vacuum_scale_factor,"
+                         " autovacuum_vacuum_threshold)")
+    [advice] = lacking(await diagnose(queue))
+    statement = advice.split(" (the settings of")[0]
+    assert statement.startswith(f'ALTER TABLE "{queue.schema}".jobs SET ('), advice
+    async with queue.connection() as conn:
+        await conn.execute(statement)  # the advice, run as given, cures it
+    assert lacking(await diagnose(queue)) == []
+
+
 async def test_doctor_finds_a_transaction_pinning_the_xmin_horizon(queue: Queue,
                                                                    pg_dsn: str) -> None:
     async with await psycopg.AsyncConnection.connect(

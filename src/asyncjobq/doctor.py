@@ -155,7 +155,7 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
             report.add("stale running", WARNING,
                        f"{stale} running job(s) not heartbeated for more than {lease:g} s "
                        f"(oldest {float(oldest or 0):.0f} s): their worker is gone",
-                       "a running worker's reaper requeues them within seconds; if this stays, "
+                       "the leader's reaper requeues them within seconds; if this stays, "
                        "no worker is running on this schema: start one")
         else:
             report.add("stale running", OK, f"no running job older than its {lease:g} s lease")
@@ -221,7 +221,11 @@ def _check_table(report: Report, qs: str, table: str, live: int, dead: int,
                                    for o in options):
         report.add("autovacuum", WARNING,
                    f"{qs}.jobs lacks the queue autovacuum settings the migrations set",
-                   "run `python -m asyncjobq install` or restore them (see sql/0001_init.sql)")
+                   f"ALTER TABLE \"{qs}\".jobs SET (autovacuum_vacuum_scale_factor = 0.01, "
+                   "autovacuum_vacuum_threshold = 500, autovacuum_vacuum_insert_scale_factor = "
+                   "0.01, autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = "
+                   "0) (the settings of _db/migrations/0001_init.sql; install does not reapply "
+                   "them)")
     if dead > max(DEAD_TUPLES_MIN, live):
         report.add("bloat", PROBLEM,
                    f"{qs}.{table} has {dead} dead rows and {live} live ones; last autovacuum "
