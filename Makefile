@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "asyncjobq needs Python 3.11+: set PYTHON=python3.11 (or newer)")'
@@ -20,11 +20,24 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs
 	$(VENV)/bin/mypy --strict src examples
 
+# The documentation site, offline, into site/: any Sphinx warning fails the build. -E reads
+# every page again (a cached page would not repeat its warnings, nor the CLI page see cli.py).
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[embedded,dev,docs]'
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	rm -rf site
+	$(VENV)/bin/sphinx-build -E -W --keep-going -q -b html -d $(VENV)/.doctrees docs site
+	@echo "built site/index.html"
+
 clean:
-	rm -rf $(VENV) .asyncjobq .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .asyncjobq .pytest_cache .mypy_cache .ruff_cache site
 
 # Benchmarks (benchmarks/README.md): the bench extra adds matplotlib, redis-py and py-spy.
 BENCH_STAMP := $(VENV)/.bench-installed

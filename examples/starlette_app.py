@@ -32,6 +32,7 @@ async def send_receipt(job: Job) -> None:
     async with queue.connection() as conn:
         await conn.execute("UPDATE orders SET receipt_sent_at = now() WHERE id = %s",
                            (job.payload["order_id"],))
+    print(f"receipt sent for order {job.payload['order_id']}", flush=True)
 
 
 async def place_order(conn: AsyncConnection[Any], total: float) -> int:

@@ -177,3 +177,24 @@ def restart(server: Any, mode: str) -> None:
 def asyncjobq_dsn(pg_dsn: str) -> str:
     """The plugin's session server (asyncjobq.pytest_plugin) is this suite's own."""
     return pg_dsn
+
+
+def fed_collector(queue: Queue) -> Any:
+    """A metrics collector of `queue` fed each kind of event once, so that every family it
+    exports has a sample (the metric-name checks of the examples and of the reference page)."""
+    from datetime import UTC, datetime
+
+    from asyncjobq import metrics
+    from asyncjobq.job import Job
+
+    c = metrics.collector(queue)
+    now = datetime.now(UTC)
+    job = Job(id=1, task="t", queue="q", payload={}, attempt=1, max_attempts=3, priority=0,
+              run_at=now, created_at=now, worker="w")
+    c.on_claimed([job])
+    c.on_started(job)
+    c.on_finished(job, "done", 0.1)
+    c.set_depth({"q": {"queued": 1}})
+    c.observe_flush(0.01)
+    c.observe_reaped([("q", "t", "queued")])
+    return c

@@ -1,5 +1,5 @@
-"""The package's layers (docs/architecture.md): no import cycle, no lower layer importing a
-higher one, every module in a layer. Imports under `if TYPE_CHECKING:` are for the type
+"""The package's layers (docs/how-it-works/architecture.md): no import cycle, no lower layer
+importing a higher one, every module in a layer. Imports under `if TYPE_CHECKING:` are for the type
 checker only and do not count."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def layer_of(module: str) -> int:
                     best = (len(prefix), rank)
     if best is None:
         raise AssertionError(f"{module} is in no layer: add it to LAYERS (and to "
-                             "docs/architecture.md)")
+                             "docs/how-it-works/architecture.md)")
     return best[1]
 
 

@@ -1,7 +1,7 @@
 """The dashboard in a real browser (Chromium through Playwright): the overview follows a live
 worker without a reload, a failed job is opened and retried until done, and hostile user data
 renders as text (no dialog ever opens). Each page's screenshot goes to $DASHBOARD_SCREENSHOTS
-when set (docs/img holds the README's), else to the test's tmp_path."""
+when set (docs/img holds the docs' and README's), else to the test's tmp_path."""
 
 from __future__ import annotations
 

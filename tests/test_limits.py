@@ -257,7 +257,7 @@ async def test_bad_keys_are_refused(queue: Queue) -> None:
 
 async def test_the_readme_example_runs_each_accounts_transfers_in_order(
         pg_dsn: str, schema: str) -> None:
-    """examples/flow_control.py (shown in README.md): transfers of three accounts, enqueued
+    """examples/flow_control.py (docs/guides/flow-control.md): transfers of three accounts, enqueued
     interleaved, run one at a time per account and in order by a worker of 10 slots; `status
     APP`, as its docstring says, shows the limits."""
     spec = importlib.util.spec_from_file_location(f"flow_example_{schema}",

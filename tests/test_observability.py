@@ -9,11 +9,10 @@ import socket
 import time
 import urllib.request
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from conftest import fetchval, run_cli, running, spawn_worker, wait_for
+from conftest import fed_collector, fetchval, run_cli, running, spawn_worker, wait_for
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -298,19 +297,9 @@ async def test_no_trace_context_without_a_provider_or_from_sql(queue: Queue) -> 
 
 
 def test_the_examples_dashboard_and_alerts_use_metrics_that_exist(queue: Queue) -> None:
-    from asyncjobq import metrics
 
-    c = metrics.collector(queue)
+    c = fed_collector(queue)
     # Every series a scrape can show, histograms' _bucket/_count/_sum and counters' _total.
-    now = datetime.now(UTC)
-    job = Job(id=1, task="t", queue="q", payload={}, attempt=1, max_attempts=3, priority=0,
-              run_at=now, created_at=now, worker="w")
-    c.on_claimed([job])
-    c.on_started(job)
-    c.on_finished(job, "done", 1.0)
-    c.set_depth({"q": {"queued": 0}})
-    c.observe_flush(0.1)
-    c.observe_reaped([("q", "t", "failed")])
     exported = {s.name for family in c.collect() for s in family.samples}
     folder = Path(__file__).parent.parent / "examples" / "observability"
     for name in ("grafana-dashboard.json", "alerts.yml"):

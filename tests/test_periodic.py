@@ -487,7 +487,7 @@ async def test_schedules_command_lists_name_task_expression_timezone_ticks(
 
 
 def test_the_readme_example_lists_its_schedules(pg_dsn: str, schema: str) -> None:
-    """examples/periodic.py (shown in README.md), listed as its docstring says, from the
+    """examples/periodic.py (docs/guides/periodic.md), listed as its docstring says, from the
     repository's root."""
 
     def schedules() -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,6 @@
 """Hostile input stays data, schema names are validated, passwords stay hidden, and the
-least-privilege roles documented in README.md work exactly as written. Real PostgreSQL, no mocks.
+least-privilege roles documented in docs/guides/roles.md work exactly as written. Real
+PostgreSQL, no mocks.
 """
 
 from __future__ import annotations
@@ -351,7 +352,7 @@ async def test_password_absent_from_logs_repr_and_status_of_a_working_setup(
     assert SECRET not in r.stdout + r.stderr
 
 
-# --- least-privilege roles, exactly as README.md documents them --------------------------------
+# --- least-privilege roles, exactly as docs/guides/roles.md documents them ---------------------
 
 
 @dataclass(frozen=True)
@@ -366,13 +367,13 @@ class Roles:
         return self.owner, self.producer, self.worker
 
 
-def readme_role_sql(schema: str, roles: dict[str, str], database: str) -> tuple[list[str],
+def documented_role_sql(schema: str, roles: dict[str, str], database: str) -> tuple[list[str],
                                                                                 list[str]]:
-    """The README's GRANT block, split into the superuser part and the owner part."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Least-privilege roles", 1)[1]
+    """The roles page's GRANT block, split into the superuser part and the owner part."""
+    text = (ROOT / "docs" / "guides" / "roles.md").read_text()
+    section = text.split("# Least-privilege roles", 1)[1]
     block = re.search(r"```sql\n(.*?)```", section, re.S)
-    assert block, "README.md has no sql block under 'Least-privilege roles'"
+    assert block, "docs/guides/roles.md has no sql block under 'Least-privilege roles'"
     parts = block.group(1).split("\n-- As asyncjobq_owner")
     assert len(parts) == 2, "the block has a superuser part, then one for asyncjobq_owner"
 
@@ -398,7 +399,7 @@ def roles(pg_dsn: str, schema: str) -> Iterator[Roles]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         row = conn.execute("SELECT current_database()").fetchone()
         assert row is not None
-    superuser_sql, owner_sql = readme_role_sql(schema, names, row[0])
+    superuser_sql, owner_sql = documented_role_sql(schema, names, row[0])
     r = Roles(names["asyncjobq_owner"], names["asyncjobq_producer"], names["asyncjobq_worker"],
               superuser_sql, owner_sql)
     try:
@@ -429,7 +430,7 @@ async def assert_denied(conn: psycopg.AsyncConnection[Any], schema: str, *querie
             await conn.execute(sql.SQL(query).format(s=sql.Identifier(schema)))  # type: ignore[arg-type]
 
 
-async def test_least_privilege_roles_from_the_readme(pg_dsn: str, schema: str,
+async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
                                                      roles: Roles) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for statement in roles.superuser_sql:

@@ -1,4 +1,4 @@
-"""asyncjobq: an asyncio job queue on PostgreSQL. See README.md and DESIGN.md."""
+"""asyncjobq: an asyncio job queue on PostgreSQL. See docs/index.md."""
 
 from .errors import (
     AppImportError,

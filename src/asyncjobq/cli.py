@@ -133,6 +133,11 @@ def _db_options(fn: F) -> F:
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # pgserver narrates every start of the embedded server at INFO (pg_ctl's argv, its stdout):
+    # a page of noise above the worker's first line. asyncjobq says in one line which server
+    # it uses; pgserver's warnings and errors still show, and all of it at --log-level debug.
+    if logging.root.level > logging.DEBUG:
+        logging.getLogger("pgserver").setLevel(logging.WARNING)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -214,7 +219,7 @@ def load_checked_app(app: str) -> Queue:
               help="Queue to serve (repeatable). Default: default.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=None,
-              help="Most jobs claimed per statement.  [default: 10, or half of --concurrency "
+              help="Most jobs claimed per statement.  [default: 10, or half of `--concurrency` "
                    "up to 100]")
 @click.option("--lease", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="Seconds without heartbeat after which a job is reaped.")
@@ -600,7 +605,7 @@ def _human(seconds: float) -> str:
                    "retention workers apply.")
 @click.option("--queue", default=None, help="Only this queue.")
 @click.option("--failed", is_flag=True,
-              help="Also delete failed (dead-lettered) jobs older than --older-than.")
+              help="Also delete failed (dead-lettered) jobs older than `--older-than`.")
 @_db_options
 @_guard
 def prune(older_than: float | None, queue: str | None, failed: bool, dsn: str | None,
@@ -683,8 +688,8 @@ def _print_doctor(report: Any) -> None:
 @click.option("--read-only", is_flag=True, help="Pages only: no retry, cancel, pause or resume.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="A host name (no port) requests may name in Host, besides localhost, "
-                   "127.0.0.1, [::1] and --host when it is not a wildcard address; repeat it "
-                   "for more; '*.example.com' allows subdomains. Any other Host is refused "
+                   "127.0.0.1, [::1] and `--host` when it is not a wildcard address; repeat it "
+                   "for more; `*.example.com` allows subdomains. Any other Host is refused "
                    "(DNS rebinding).")
 @click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
               help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")

@@ -24,11 +24,15 @@ class DatabaseUnavailableError(AsyncJobQError):
 
 
 class EnqueueConnectionError(DatabaseUnavailableError):
-    """An enqueue failed because its connection to PostgreSQL did (README: Producers during
-    an outage). `may_have_been_written` is False when the job cannot exist (no connection
-    was had in time, or the transaction holding it was lost with the connection) and True
-    when the INSERT had been sent: the server may have committed it before the reply was
-    lost, so enqueueing again may duplicate it unless a dedup_key is given."""
+    """An enqueue failed because its connection to PostgreSQL did (docs/guides/enqueueing.md:
+    Producers during an outage).
+
+    Attributes:
+        may_have_been_written: False when the job cannot exist (no connection was had in
+            time, or the transaction holding it was lost with the connection); True when the
+            INSERT had been sent: the server may have committed it before the reply was
+            lost, so enqueueing again may duplicate it unless a dedup_key is given.
+    """
 
     def __init__(self, message: str, *, may_have_been_written: bool) -> None:
         super().__init__(message)
@@ -38,7 +42,11 @@ class EnqueueConnectionError(DatabaseUnavailableError):
 class EnqueueRefusedError(AsyncJobQError):
     """PostgreSQL refused an enqueue's INSERT (a read-only server after a failover, a
     statement_timeout, a missing privilege, a constraint of the operator's): nothing was
-    written. `sqlstate` is the server's code; the psycopg error is the `__cause__`."""
+    written. The psycopg error is the `__cause__`.
+
+    Attributes:
+        sqlstate: the server's error code (e.g. "25006" for a read-only server), or None.
+    """
 
     def __init__(self, message: str, *, sqlstate: str | None) -> None:
         super().__init__(message)
@@ -46,7 +54,8 @@ class EnqueueRefusedError(AsyncJobQError):
 
 
 class SchemaNotInstalledError(AsyncJobQError):
-    """The queue schema does not exist yet."""
+    """The queue schema does not exist yet, or lacks migrations this asyncjobq needs: run
+    install."""
 
 
 class SchemaVersionError(AsyncJobQError):

@@ -1,7 +1,7 @@
 """Hooks and middleware: how tools (metrics, tracing, your own code) watch and wrap jobs.
 
 A hook is any object with one or more of these `async def` methods, called with keyword
-arguments (docs/architecture.md lists where each fires):
+arguments (docs/how-it-works/architecture.md lists where each fires):
 
     on_enqueued(job_ids, task, queue)        an enqueue (or enqueue_many) wrote these jobs; with
                                              conn= before the caller's transaction commits (a
@@ -61,7 +61,15 @@ def _is_async(fn: object) -> bool:
 
 
 class Hooks:
-    """The hooks and middleware registered on one Queue."""
+    """The hooks, observers and middleware registered on one Queue (`queue.hooks`).
+
+    Attributes:
+        timeout: seconds a hook call may take before it is cancelled and logged
+            (default 10).
+        dropped: hook events not delivered because `MAX_PENDING` (10,000) hook calls were
+            still running.
+        active: whether anything is registered; with nothing, the worker skips hooks.
+    """
 
     def __init__(self) -> None:
         self.on_enqueued: list[Callable[..., object]] = []
@@ -99,6 +107,10 @@ class Hooks:
         return other
 
     def add_hook(self, hook: object) -> None:
+        """Register the `async def` event methods of `hook` (`Queue.add_hook`).
+
+        Raises `ConfigurationError` when it has none of them, or when one is a plain `def`.
+        """
         found = {e: getattr(hook, e) for e in EVENTS if callable(getattr(hook, e, None))}
         if not found:
             raise ConfigurationError(
@@ -114,8 +126,11 @@ class Hooks:
         self.active = True
 
     def add_observer(self, observer: object) -> None:
-        """Register plain `def` event methods, called inline (see the module's doc); a method
-        registered already is not registered twice."""
+        """Register the plain `def` event methods of `observer`, called inline at each event
+        before the hooks' tasks start, so that a slow hook neither delays nor drops them
+        (`asyncjobq.metrics` is one). They must return at once; what they raise is logged.
+        A method registered already is not registered twice. Raises `ConfigurationError`
+        when `observer` has none of the methods, or when one is an `async def`."""
         found = {e: getattr(observer, e) for e in EVENTS
                  if callable(getattr(observer, e, None))}
         if not found:
@@ -147,6 +162,8 @@ class Hooks:
         return len(getattr(self, event)) > len(inline)
 
     def add_middleware(self, middleware: Middleware) -> None:
+        """Append `middleware` to the chain, inside the middleware added before it
+        (`Queue.add_middleware`); `ConfigurationError` unless it is an `async def`."""
         if not callable(middleware) or not _is_async(middleware):
             raise ConfigurationError(
                 f"middleware {middleware!r} is not a coroutine function: use "

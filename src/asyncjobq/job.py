@@ -25,7 +25,24 @@ STATUSES: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cance
 
 @dataclass(frozen=True)
 class Job:
-    """One claimed attempt of a job, handed to its handler."""
+    """One claimed attempt of a job, handed to its handler.
+
+    Attributes:
+        id: the job's id, as `enqueue` returned it.
+        task: the task's name.
+        queue: the queue the job was claimed from.
+        payload: the JSON object it was enqueued with.
+        attempt: this attempt's number, from 1.
+        max_attempts: the attempt after which a failure dead-letters the job (a `Retry`
+            raises it by one, so that it costs no attempt).
+        priority: the job's priority.
+        run_at: when the job became due.
+        created_at: when it was enqueued.
+        worker: the id of the worker running this attempt (`locked_by`).
+        trace_context: the W3C trace context (traceparent, tracestate) of the enqueue that
+            wrote the job, as `asyncjobq.tracing` stored it; None when the producer did not
+            trace.
+    """
 
     id: int
     task: str
@@ -44,7 +61,25 @@ class Job:
 
 @dataclass(frozen=True)
 class JobInfo:
-    """A job's row as `Queue.get` reads it, from the live table or the history."""
+    """A job's row as `Queue.get` reads it, from the live table or the history.
+
+    Attributes:
+        id: the job's id.
+        task: the task's name.
+        queue: the queue's name.
+        status: queued, running, done, failed or cancelled.
+        attempts: attempts started so far.
+        max_attempts: attempts allowed before the job is dead-lettered.
+        priority: the job's priority; higher runs first.
+        run_at: when the job is (or was) due.
+        last_error: what ended its attempts other than by success or `Retry`, one line
+            each ("attempt N: ..."), oldest first, kept to its last 8,000 characters; None
+            when there is none.
+        created_at: when it was enqueued.
+        finished_at: when it was done, cancelled or dead-lettered; None before.
+        payload: the JSON object it was enqueued with.
+        key: its flow-control key (`enqueue(key=...)`), or None.
+    """
 
     id: int
     task: str
@@ -65,7 +100,12 @@ class RetryResult(int):
     """What `Queue.retry_failed` did. It is the number of jobs requeued (an int, as it always
     was), and `skipped` counts the matching failed jobs it left failed because another job
     holds their dedup_key: a queued or running one, or a newer failed one requeued now (one
-    job per key may be live). Retry them once that job has finished."""
+    job per key may be live). Retry them once that job has finished.
+
+    Args:
+        requeued: the number of jobs requeued.
+        skipped: the number of matching jobs left failed.
+    """
 
     _skipped: int
 
@@ -76,10 +116,12 @@ class RetryResult(int):
 
     @property
     def requeued(self) -> int:
+        """The number of jobs requeued (the int's own value)."""
         return int(self)
 
     @property
     def skipped(self) -> int:
+        """The number of matching failed jobs left failed: their dedup_key is taken."""
         return self._skipped
 
     def __repr__(self) -> str:
@@ -87,7 +129,15 @@ class RetryResult(int):
 
 
 class Retry(Exception):
-    """Raise in a handler to run the job again after `delay` seconds, not counted as an error."""
+    """Raise in a handler to run the job again after `delay` seconds, not counted as an error.
+
+    The attempt is not held against `max_attempts` (the job's `max_attempts` rises by one)
+    and nothing is added to `last_error`; `on_finished` reports it as "snoozed".
+
+    Args:
+        delay: seconds from now, from 0 to 10,000 years; anything else is a `ValueError`.
+        reason: the exception's message; default "retry in <delay> s".
+    """
 
     def __init__(self, delay: float = 0.0, reason: str | None = None) -> None:
         if not is_delay(delay):
@@ -98,7 +148,14 @@ class Retry(Exception):
 
 
 class Fail(Exception):
-    """Raise in a handler to fail the job at once, with no further attempts."""
+    """Raise in a handler to fail the job at once, with no further attempts.
+
+    The job is dead-lettered (status `failed`) whatever attempts remain, with
+    "attempt N: Fail: <reason>" added to its `last_error`.
+
+    Args:
+        reason: why, kept as the `reason` attribute and in `last_error`.
+    """
 
     def __init__(self, reason: str = "failed by handler") -> None:
         super().__init__(reason)
@@ -107,8 +164,9 @@ class Fail(Exception):
 
 @dataclass(frozen=True)
 class JobSummary:
-    """A job as `Queue.list_jobs` lists it: no payload, and `last_error` cut to its last 300
-    characters, the newest attempt's (`Queue.get_detail` has all of both)."""
+    """A job as `Queue.list_jobs` lists it: `JobInfo`'s fields without the payload and the
+    key, and `last_error` cut to its last 300 characters, the newest attempt's
+    (`Queue.get_detail` has all of them)."""
 
     id: int
     task: str
@@ -125,8 +183,12 @@ class JobSummary:
 
 @dataclass(frozen=True)
 class JobPage:
-    """One page of `Queue.list_jobs`, newest first. `next_before` is the `before=` of the next
-    (older) page, None on the last one."""
+    """One page of `Queue.list_jobs`, newest first.
+
+    Attributes:
+        jobs: the page's jobs (`JobSummary`), newest first.
+        next_before: the `before=` of the next (older) page; None on the last one.
+    """
 
     jobs: list[JobSummary]
     next_before: int | None
@@ -134,9 +196,13 @@ class JobPage:
 
 @dataclass(frozen=True)
 class JobDetail(JobInfo):
-    """A job as `Queue.get_detail` reads it: JobInfo, the worker that last held it
-    (`locked_by`), when that worker last renewed its lock (running jobs only), and its
-    dedup_key. The schema keeps the last attempt's error only (`last_error`)."""
+    """A job as `Queue.get_detail` reads it: `JobInfo`'s fields, and these.
+
+    Attributes:
+        worker: the worker that last held it (`locked_by`), or None.
+        locked_at: when that worker last renewed its lock (running jobs only), or None.
+        dedup_key: the job's dedup_key, or None.
+    """
 
     worker: str | None = None
     locked_at: datetime | None = None

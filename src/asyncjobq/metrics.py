@@ -38,10 +38,13 @@ _INSTALL = ("Prometheus metrics need the prometheus extra: pip install 'asyncjob
 
 # Seconds: handlers from a millisecond to ten minutes; pickup from sub-millisecond (a warm
 # worker) to an hour of backlog; flushes are statements, a few ms when healthy.
+#: Bucket bounds (seconds) of asyncjobq_job_duration_seconds.
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0, 300.0, 600.0)
+#: Bucket bounds (seconds) of asyncjobq_job_pickup_seconds.
 PICKUP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                   60.0, 300.0, 900.0, 3600.0)
+#: Bucket bounds (seconds) of asyncjobq_outcome_flush_seconds.
 FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 _collectors: weakref.WeakKeyDictionary[Hooks, QueueCollector] = weakref.WeakKeyDictionary()
@@ -104,6 +107,7 @@ class QueueCollector:
     # --- prometheus_client's collector interface ----------------------------------------
 
     def collect(self) -> Iterator[Metric]:
+        """The metric families as a scrape sees them now (prometheus_client calls it)."""
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
@@ -233,7 +237,9 @@ class QueueCollector:
 
 def collector(queue: Queue) -> QueueCollector:
     """The metrics collector of `queue` (one per queue: calling again returns the same one),
-    registered as the queue's hook; register it in a prometheus_client registry to serve it."""
+    registered as an observer of the queue's hooks; register it in a prometheus_client
+    registry to serve it. Raises `ExtraNotInstalledError` without prometheus-client (the
+    `prometheus` extra)."""
     hooks = getattr(queue, "hooks", None)
     if not isinstance(hooks, Hooks):
         raise ConfigurationError(f"metrics.collector({queue!r}): pass the asyncjobq.Queue whose "
@@ -251,7 +257,12 @@ def attached(queue: Queue) -> QueueCollector | None:
 
 
 class MetricsServer:
-    """/metrics of one collector over HTTP, served by prometheus_client from a thread."""
+    """/metrics of one collector over HTTP, served by prometheus_client from a thread.
+
+    Attributes:
+        host: the address it listens on.
+        port: the port it listens on (the one picked, when asked for port 0).
+    """
 
     def __init__(self, collected: QueueCollector, port: int, addr: str = "0.0.0.0") -> None:
         from prometheus_client import CollectorRegistry, start_http_server
@@ -269,10 +280,13 @@ class MetricsServer:
         self.port = int(self._server.server_address[1])
 
     def close(self) -> None:
+        """Stop serving and close the socket."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5.0)
 
 
 def serve(collected: QueueCollector, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve `collected` at http://<host>:<port>/metrics from a thread (what
+    `Worker(metrics_port=...)` does); `MetricsPortInUseError` when the port is taken."""
     return MetricsServer(collected, port, host)

@@ -67,11 +67,17 @@ class Queue:
         pool_max_size: connections the pool may open (handlers' `queue.connection()` included;
             a worker also holds a few of its own: listen, heartbeat, fetch, complete).
         connect_timeout: seconds to wait for the server when opening, and in an enqueue
-            while it is down (README: Producers during an outage).
+            while it is down (docs/guides/enqueueing.md).
         application_name: shown in pg_stat_activity; the worker's connections append a suffix.
         retention: how long done and cancelled jobs stay in history (a timedelta or seconds;
             None keeps them forever).
         queue_retention: retention per queue name, overriding `retention`.
+
+    Attributes:
+        tasks: the registered tasks by name (`@queue.task()`).
+        schedules: the periodic schedules by name (`periodic`, `@queue.task(cron=...)`).
+        hooks: the hooks, observers and middleware registered on this queue
+            (`asyncjobq.hooks.Hooks`); `hooks.timeout` is how long a hook may take.
     """
 
     def __init__(
@@ -136,7 +142,8 @@ class Queue:
 
     @property
     def dsn(self) -> str:
-        """The DSN in use (resolved on first use: argument, $ASYNCJOBQ_DSN, embedded)."""
+        """The DSN in use, resolved on first use from the argument, else $ASYNCJOBQ_DSN,
+        else the embedded server."""
         return self._db.dsn
 
     @property
@@ -150,7 +157,7 @@ class Queue:
         self._db.application_name = name
 
     def set_dsn(self, dsn: str | None) -> None:
-        """Point a not-yet-opened queue at another database (the CLI's --dsn does this)."""
+        """Point a not-yet-opened queue at another database (the CLI's `--dsn` does this)."""
         self._db.set_dsn(dsn)
 
     @contextmanager
@@ -193,6 +200,9 @@ class Queue:
     ) -> Callable[[Handler], Task]:
         """Register a handler: `@queue.task()` above `async def` (plain `def` runs in a thread).
 
+        Limits (`concurrency_limit`, `key_limit`, `rate_limit`) take effect in the workers
+        that register the task, when they (re)start.
+
         Args:
             name: the task's name, stored with each job; default "<module>.<qualname>".
             queue: the queue its jobs go to unless enqueue says otherwise.
@@ -204,7 +214,7 @@ class Queue:
             backoff: seconds to wait before the next attempt, given the attempt that failed;
                 default min(300, 2 ** attempt) plus up to 10 % jitter.
             cron: the task's one schedule (see `periodic`), named after the task and run
-                with an empty payload; e.g. "0 3 * * *".
+                with an empty payload; e.g. `"0 3 * * *"`.
             timezone: the IANA timezone `cron` is read in.
             concurrency_limit: at most this many of the task's jobs run at once across every
                 worker of the fleet (DESIGN §13). Enforced in the claim; a job held back
@@ -213,7 +223,6 @@ class Queue:
                 run at once, and a key's jobs start in (priority, run_at, id) order; 1 runs
                 each key's jobs one at a time. Jobs without a key are not limited by it.
             rate_limit: at most N starts per period across the fleet: "N/s", "N/m", "N/h".
-            Limits take effect in the workers that register the task, when they (re)start.
         """
         check_queue_name(queue)
         _check_max_attempts(max_attempts)
@@ -284,8 +293,8 @@ class Queue:
                 multiples of it since 1970-01-01 UTC. Exactly one of `cron` and `every`.
             name: the schedule's name, unique on this queue; default the task's name.
             payload: the JSON object every tick's job carries.
-            timezone: an IANA timezone name for `cron` (DST: docs/architecture.md); `every`
-                takes only "UTC".
+            timezone: an IANA timezone name for `cron` (DST: docs/how-it-works/architecture.md);
+                `every` takes only "UTC".
             queue, priority, max_attempts: for the jobs; default the task's.
             catch_up: after ticks were missed while no worker ran for longer than two leases,
                 enqueue all of them (at most 100) instead of only the latest.
@@ -395,6 +404,11 @@ class Queue:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Open the connection pool (a no-op when open); `async with queue:` calls it.
+
+        Raises `DatabaseUnavailableError` when PostgreSQL cannot be reached within
+        `connect_timeout`. Opening does not install the schema: `install` does.
+        """
         if self._db.is_open:
             return
         await self._db.open()
@@ -403,6 +417,8 @@ class Queue:
                                   max_in_flight=max(1, self._db.pool_sizes[1] // 2))
 
     async def close(self) -> None:
+        """Wait for enqueues in flight and for `on_enqueued` hooks (up to `hooks.timeout`),
+        then close the pool; `async with queue:` calls it on the way out."""
         if self._kept_open:
             return  # asyncjobq.testing.isolated closes it at the end of its block
         if self._inserter is not None:
@@ -425,6 +441,8 @@ class Queue:
 
     @property
     def pool(self) -> AsyncConnectionPool[Conn]:
+        """The psycopg_pool pool of the open queue; `QueueClosedError` when it is closed.
+        Prefer `connection()`, which checks each connection before handing it out."""
         return self._db.pool
 
     @asynccontextmanager
@@ -456,8 +474,8 @@ class Queue:
             except psycopg.errors.InsufficientPrivilege as e:
                 raise AsyncJobQError(
                     f"this role may not install schema {self.schema} ({reason(e)}): run install "
-                    "as the schema's owner, a role with CREATE on the database (README: "
-                    "Least-privilege roles)"
+                    "as the schema's owner, a role with CREATE on the database "
+                    "(docs/guides/roles.md)"
                 ) from None
 
     # --- enqueue ---------------------------------------------------------------------------

@@ -36,6 +36,26 @@ def parse_rate(rate: object) -> tuple[int, float]:
 
 @dataclass(frozen=True)
 class Task:
+    """A registered handler with its defaults: what `@queue.task()` returns.
+
+    Calling the Task calls the handler (`await send_email(job)` in a unit test of the
+    handler itself); `await send_email.enqueue({...})` enqueues one of its jobs.
+
+    Attributes:
+        owner: the Queue it is registered on.
+        name: the name stored with each job (`job.task`).
+        handler: the function, `async def` or plain `def`, that takes the `Job`.
+        queue: the queue its jobs go to unless an enqueue says otherwise.
+        max_attempts: attempts before a failing job is dead-lettered.
+        timeout: seconds an attempt may run; None: no limit.
+        priority: the default priority of its jobs; higher runs first.
+        backoff: seconds before the next attempt, given the attempt that failed; None: the
+            default, min(300, 2 ** attempt) plus up to 10 % jitter.
+        concurrency_limit: at most this many of its jobs run at once across the fleet.
+        key_limit: at most this many of its jobs with one `key` run at once.
+        rate_limit: at most N starts per period across the fleet, e.g. "14/s".
+    """
+
     owner: Queue
     name: str
     handler: Handler
@@ -50,11 +70,13 @@ class Task:
 
     @property
     def is_async(self) -> bool:
+        """Whether the handler is an `async def` (a plain `def` runs in a thread)."""
         return inspect.iscoroutinefunction(self.handler)
 
     @property
     def limits(self) -> dict[str, object] | None:
-        """The task's limits as a claim sends them (0007_flow_control.sql), None: none."""
+        """The task's limits as a claim sends them (0007_flow_control.sql), or None when
+        the task has none."""
         found: dict[str, object] = {}
         if self.concurrency_limit is not None:
             found["c"] = self.concurrency_limit
@@ -77,6 +99,8 @@ class Task:
         key: str | None = None,
         conn: AsyncConnection[Any] | None = None,
     ) -> int:
+        """Enqueue one job of this task: `Queue.enqueue` with this task's name, the same
+        arguments and the same return value (the job's id)."""
         return await self.owner.enqueue(
             self.name,
             {} if payload is None else payload,

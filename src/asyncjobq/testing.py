@@ -1,4 +1,7 @@
-"""Helpers for testing an app's jobs on a real PostgreSQL (DESIGN §12, README: Testing your jobs).
+"""Helpers for testing an app's jobs on a real PostgreSQL (DESIGN §12,
+docs/guides/testing.md).
+
+A test, in short::
 
     async with isolated(app.queue) as q:          # a throwaway schema, installed and opened
         await signup(...)                         # the app enqueues through the same Queue
@@ -55,6 +58,7 @@ __all__ = [
 
 log = logging.getLogger("asyncjobq.testing")
 
+#: The environment variable naming the test server (`isolated`, the pytest plugin).
 TEST_DSN_ENV = "ASYNCJOBQ_TEST_DSN"
 # A job run this many times by one drain is retrying at once forever (Retry(delay=0) on every
 # attempt): the drain stops and says so instead of spinning until the test times out.
@@ -79,7 +83,8 @@ class Outcome:
 @asynccontextmanager
 async def isolated(queue: Queue, *, dsn: str | None = None) -> AsyncIterator[Queue]:
     """Bind `queue` (the app's own object) to a fresh schema, installed and opened, for the
-    block; then close it, drop the schema and point the queue back where it was.
+    block; then close it, drop the schema and point the queue back where it was. An async
+    context manager: `async with isolated(app.queue) as q:` (`q` is `queue`).
 
     The server is `dsn`, else $ASYNCJOBQ_TEST_DSN, else the queue's own DSN (its argument,
     $ASYNCJOBQ_DSN or the embedded server). The queue's connections put the schema first in

@@ -37,6 +37,7 @@ except ImportError:  # the otel extra is not installed: tracing stays off
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
+#: The `messaging.system` attribute of every span.
 SYSTEM = "asyncjobq"
 # Why the worker cancels a handler (executor.RunningJob.cancel): the job is released or let go,
 # which is not the handler's failure. A timeout's cancellation carries no message.
@@ -89,6 +90,7 @@ class ProducerSpan:
         self._use.__exit__(*exc)
 
     def written(self, ids: list[int]) -> None:
+        """Record the job's id (`messaging.message.id`) when the enqueue wrote one job."""
         if len(ids) == 1:
             self.span.set_attribute("messaging.message.id", str(ids[0]))
 

@@ -213,11 +213,20 @@ class Worker:
 
     @property
     def running_jobs(self) -> list[Job]:
+        """The jobs whose handlers this worker is running now."""
         return [r.job for r in self._running.values()]
 
     # --- run -------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Open the queue, check its schema, and run jobs until `stop()`; then let running
+        handlers finish (up to `shutdown_timeout`), write their outcomes and resign the
+        leadership. It does not close the queue.
+
+        Raises `ConfigurationError` for a schedule whose task is not registered, and
+        `SchemaNotInstalledError` or `SchemaVersionError` when the schema is not at this
+        version's migrations.
+        """
         self._stop = anyio.Event()
         if self._stop_requested:
             self._stop.set()

@@ -2,7 +2,7 @@
 
 Everything below the public API (the worker machinery, the maintenance services) reaches the
 database through a Database, handed to it by Queue or Worker, never through the Queue itself
-(docs/architecture.md).
+(docs/how-it-works/architecture.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ sees the error; any other failure (connection lost, schema missing) is every cal
 would have been had each run alone.
 
 `write` runs every enqueue's INSERT (these batches, a dedup_key enqueue, enqueue_many) and
-decides what a failing connection means for it (README: Producers during an outage).
+decides what a failing connection means for it (docs/guides/enqueueing.md).
 """
 
 from __future__ import annotations
@@ -213,8 +213,9 @@ async def _write_on_callers(db: Database, conn: Conn, statement: sql.Composed, p
 _REFUSED_ADVICE = {
     "25006": "the server is read-only (a standby, or default_transaction_read_only is on): "
              "after a failover, point the DSN at the new primary",
-    "42501": "grant the producer's role USAGE on the queue's schema, INSERT and SELECT on its "
-             "jobs table and USAGE on its sequence (GRANT ... TO <role>)",
+    "42501": "grant the producer's role USAGE on the queue's schema, and INSERT and SELECT "
+             "(id, dedup_key, status) on its jobs table (GRANT ... TO <role>; "
+             "docs/guides/roles.md)",
     "57014": "the INSERT was cancelled: check statement_timeout for this role and database "
              "(SHOW statement_timeout) and what holds locks on the jobs table (pg_locks)",
     "55P03": "a lock was not granted in time: check lock_timeout and what holds locks on the "

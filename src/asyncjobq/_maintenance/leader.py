@@ -1,6 +1,7 @@
 """Leadership: one worker per schema runs the once-per-fleet maintenance services.
 
-The leader holds the `leader` row (sql/0002_leader.sql) and renews it every third of its lease.
+The leader holds the `leader` row (_db/migrations/0002_leader.sql) and renews it every third
+of its lease.
 It acts as leader only until its last renewal's lease would run out *as measured from when the
 renewal was sent*: the server set the row's expiry no earlier than that, and other workers take
 the row only after the server's clock passes it, so two workers never act as leader at once

@@ -1,4 +1,5 @@
-"""Maintenance services and the one runner that runs them (docs/architecture.md).
+"""Maintenance services and the one runner that runs them
+(docs/how-it-works/architecture.md).
 
 A service is a small object of one shape: a `name`, an `interval` in seconds, `leader_only`
 (run on the fleet's leader only, leader.py), a `timeout` in seconds, `async turn()` and,

@@ -4,11 +4,12 @@ Autovacuum looks at each database once per `autovacuum_naptime` (one minute by d
 server-wide setting no table can lower). A busy queue turns its table over thousands of times in
 that minute, and until a vacuum runs every finished job leaves a dead entry in the claim index,
 which the next claims read through (the article's 461 blocks). The hot table holds only live
-jobs, so vacuuming it takes milliseconds: each worker checks every `interval` seconds (a cheap
-statistics read) and one of them vacuums when enough rows are dead.
-A worker role that does not own the table may not vacuum it; the worker then logs so once and
+jobs, so vacuuming it takes milliseconds: the leader checks every `interval` seconds (a cheap
+statistics read) and vacuums when enough rows are dead (docs/operations/vacuum.md).
+A worker role that does not own the table may not vacuum it; the leader then logs so once and
 leaves the table to autovacuum.
-The lock that keeps two workers from vacuuming at once is a session lock (VACUUM cannot run in
+The lock that keeps two workers from vacuuming at once (an old and a new leader across a
+takeover) is a session lock (VACUUM cannot run in
 a transaction): a turn cut short, by a stop or its timeout, still releases it, or ends the
 session holding it, rather than leave it held and no worker vacuuming again.
 """

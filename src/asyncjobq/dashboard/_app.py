@@ -107,7 +107,7 @@ def create_app(queue: Queue, *, read_only: bool = False, auth: Auth | None = Non
         allowed_hosts: the host names (no port) requests may name in their Host header, e.g.
             ["localhost", "127.0.0.1", "[::1]"]; any other is refused with 400 before auth
             runs (DNS rebinding: a hostile page whose name resolves to your address sends its
-            own Host). "*.example.com" allows subdomains. None: no check (the service the app
+            own Host). `"*.example.com"` allows subdomains. None: no check (the service the app
             is mounted in checks Host itself).
     """
     if not isinstance(queue, Queue):

@@ -1,6 +1,6 @@
 -- asyncjobq schema, version 1.
 -- Applied by `asyncjobq install` with search_path set to the target schema only, so every
--- name below lands in that schema. Runtime statements (src/asyncjobq/sql.py) qualify names.
+-- name below lands in that schema. Runtime statements (src/asyncjobq/_db/sql/) qualify names.
 
 CREATE TYPE job_status AS ENUM ('queued', 'running', 'done', 'failed', 'cancelled');
 
