@@ -473,13 +473,14 @@ async def test_a_job_whose_claim_reply_is_always_lost_is_not_claimed_for_ever(
         ran.append(job.id)
 
     w = Worker(queue, concurrency=2, poll_interval=0.1)
-    claims = {"n": 0}
+    claims = {"n": 0, "calls": 0}
     async with running(w):
         fetcher = w.fetcher
         assert fetcher is not None
         real_claim = fetcher.claim
 
         async def claim_reply_always_lost(limit: int) -> list[Job]:
+            claims["calls"] += 1
             jobs = await real_claim(limit)
             if jobs:
                 claims["n"] += 1
@@ -487,7 +488,10 @@ async def test_a_job_whose_claim_reply_is_always_lost_is_not_claimed_for_ever(
             return jobs
 
         fetcher.claim = claim_reply_always_lost  # type: ignore[method-assign]
+        # A claim sent before the patch would take the job unharmed (it then runs, and is never
+        # failed: a CI run under load waited 20 s for that): enqueue once the patch has run.
         fetcher.wakeup.set()
+        await wait_for(lambda: claims["calls"] > 0, timeout=10, what="a patched claim")
         job_id = await unreachable.enqueue({})
         await wait_for(lambda: _is(queue, job_id, "failed"), timeout=20, what="the job failed")
         fetcher.claim = real_claim  # type: ignore[method-assign]

@@ -75,8 +75,8 @@ class Worker:
         concurrency: handlers running at once; sync (`def`) handlers count too, each in a
             thread of its own, until their body returns even past a timeout.
         batch_size: most jobs claimed per statement (claims are sized to free slots);
-            default 10, or concurrency // 2 up to 100.
-        lease: seconds a running job may go without a heartbeat before any worker's reaper
+            concurrency // 2, at least 10 and at most 100.
+        lease: seconds a running job may go without a heartbeat before the leader's reaper
             takes it back; also how long the leader's row lasts. Use one value per schema.
         poll_interval: seconds between polls when idle; notifications wake workers sooner.
         shutdown_timeout: seconds running handlers get to finish after stop() or SIGTERM
