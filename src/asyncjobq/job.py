@@ -60,7 +60,26 @@ class Job:
 
 
 @dataclass(frozen=True)
-class JobInfo:
+class JobSummary:
+    """A job as `Queue.list_jobs` lists it: `JobInfo` without the payload and the key, and
+    `last_error` cut to its last 300 characters, the newest attempt's (`Queue.get_detail` has
+    all of them). The fields are `JobInfo`'s, which adds the other two."""
+
+    id: int
+    task: str
+    queue: str
+    status: JobStatus
+    attempts: int
+    max_attempts: int
+    priority: int
+    run_at: datetime
+    last_error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class JobInfo(JobSummary):
     """A job's row as `Queue.get` reads it, from the live table or the history.
 
     Attributes:
@@ -81,17 +100,7 @@ class JobInfo:
         key: its flow-control key (`enqueue(key=...)`), or None.
     """
 
-    id: int
-    task: str
-    queue: str
-    status: JobStatus
-    attempts: int
-    max_attempts: int
-    priority: int
-    run_at: datetime
-    last_error: str | None
-    created_at: datetime
-    finished_at: datetime | None
+    # id ... finished_at: JobSummary's, in the order the statements select them.
     payload: dict[str, Any]
     key: str | None = None  # enqueue(key=...), see Queue.task(key_limit=)
 
@@ -160,25 +169,6 @@ class Fail(Exception):
     def __init__(self, reason: str = "failed by handler") -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class JobSummary:
-    """A job as `Queue.list_jobs` lists it: `JobInfo`'s fields without the payload and the
-    key, and `last_error` cut to its last 300 characters, the newest attempt's
-    (`Queue.get_detail` has all of them)."""
-
-    id: int
-    task: str
-    queue: str
-    status: JobStatus
-    attempts: int
-    max_attempts: int
-    priority: int
-    run_at: datetime
-    last_error: str | None
-    created_at: datetime
-    finished_at: datetime | None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
+from psycopg.sql import Composed
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import tracing
@@ -689,20 +690,26 @@ class Queue:
                                          "unpaired surrogates, or None")
         params = {"queue": queue, "task": task, "error_like": error_like,
                   "max_id": max_id, "limit": limit, "channel": self.channel}
-        statement = self.sql.job_retry_failed_at_most(capped=limit is not None)
+        row = await self._requeue_failed(
+            self.sql.job_retry_failed_at_most(capped=limit is not None), params,
+            "retry_failed kept racing with enqueues of the same dedup_keys (10 tries): call "
+            "retry_failed() again once those enqueues settle")
+        return RetryResult(int(row[0]), int(row[1])) if row else RetryResult()
+
+    async def _requeue_failed(self, statement: Composed, params: dict[str, Any],
+                              raced: str) -> tuple[Any, ...] | None:
+        """Run a statement that requeues failed jobs; its row, or None. A UniqueViolation
+        means a job with one of their dedup_keys was enqueued after the statement's snapshot:
+        nothing was requeued, and the next snapshot sees that job and skips its key. After 10
+        such races, RetryRaceError(raced)."""
         for _ in range(10):
             try:
                 async with self._conn(None) as c:
                     cur = await c.execute(statement, params)
-                    row = await cur.fetchone()
+                    return await cur.fetchone()
             except psycopg.errors.UniqueViolation:
-                # A job with one of the keys was enqueued after the statement's snapshot:
-                # nothing was requeued; the next snapshot sees that job and skips its key.
                 continue
-            return RetryResult(int(row[0]), int(row[1])) if row else RetryResult()
-        raise RetryRaceError("retry_failed kept racing with enqueues of the same dedup_keys "
-                             "(10 tries): call retry_failed() again once those enqueues "
-                             "settle")
+        raise RetryRaceError(raced)
 
     async def leader(self) -> dict[str, Any] | None:
         """The worker leading this schema's maintenance (leader.py): {"worker", "since",
@@ -884,17 +891,11 @@ class Queue:
         or when another job holds its dedup_key (queued or running): retry it once that one
         has finished."""
         _check_int("job_id", job_id, bits=64)
-        for _ in range(10):
-            try:
-                async with self._conn(None) as c:
-                    cur = await c.execute(self.sql.job_retry_one,
-                                          {"id": job_id, "channel": self.channel})
-                    return await cur.fetchone() is not None
-            except psycopg.errors.UniqueViolation:
-                continue  # a job of the same key committed meanwhile: the next snapshot sees it
-        raise RetryRaceError(f"retry({job_id}) kept racing with enqueues of its dedup_key "
-                             "(10 tries): call retry() again once those enqueues settle, or "
-                             "give the job's producers a moment")
+        row = await self._requeue_failed(
+            self.sql.job_retry_one, {"id": job_id, "channel": self.channel},
+            f"retry({job_id}) kept racing with enqueues of its dedup_key (10 tries): call "
+            "retry() again once those enqueues settle, or give the job's producers a moment")
+        return row is not None
 
     async def cancel_queued(self, *, queue: str | None = None, task: str | None = None,
                             max_id: int | None = None, limit: int | None = None) -> int:
