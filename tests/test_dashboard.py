@@ -153,6 +153,37 @@ async def test_actions_need_the_csrf_token_and_a_same_site_request(queue: Queue)
         assert (await c.post(path, data={"csrf_token": token})).status_code == 403
 
 
+TOKEN_COOKIE = re.compile(r"asyncjobq_csrf=([0-9a-f]{32}\.[0-9a-f]{64});")
+# Cookies a sibling subdomain could plant: non-ASCII (compare_digest raises TypeError on a
+# non-ASCII str, which was a 500 on every page), token-shaped around non-ASCII, wrong length,
+# empty, very long.
+HOSTILE_TOKENS = ["é" * 43, "\u2603", "a.é", f"{'0' * 32}.{'é' * 64}", "\u2603.\u2603",
+                  f"{'0' * 32}.{'0' * 63}", "abc.def", "", "a" * 5000 + "." + "b" * 5000]
+
+
+async def test_hostile_csrf_cookie_or_field_is_refused_never_a_500(queue: Queue) -> None:
+    job_id = await queue.enqueue("t.a", {})
+    app = create_app(queue)
+    path = f"/jobs/{job_id}/cancel"
+    for hostile in HOSTILE_TOKENS:
+        planted = {"cookie": f"asyncjobq_csrf={hostile}".encode()}
+        async with client(app) as c:
+            for page in ("/", "/jobs", f"/jobs/{job_id}", "/schedules"):
+                r = await c.get(page, headers=planted)
+                assert r.status_code == 200, (hostile[:20], page, r.text[:300])
+                fresh = TOKEN_COOKIE.search(r.headers.get("set-cookie", ""))
+                assert fresh, (hostile[:20], page, r.headers.get("set-cookie"))
+                if page in ("/", f"/jobs/{job_id}"):  # the pages with forms here
+                    assert token_in(r.text) == fresh.group(1)
+            # The hostile value as cookie and field, and each beside a good other half.
+            good = token_in((await c.get("/")).text)
+            for cookie, field in ((hostile, hostile), (hostile, good), (good, hostile)):
+                r = await c.post(path, data={"csrf_token": field},
+                                 headers={"cookie": f"asyncjobq_csrf={cookie}".encode()})
+                assert r.status_code == 403, (hostile[:20], cookie == good, r.text[:300])
+    assert (await queue.get(job_id)).status == "queued"  # type: ignore[union-attr]
+
+
 async def test_read_only_has_no_action_routes(queue: Queue) -> None:
     failed = await failed_job(queue)
     queued = await queue.enqueue("t.a", {})

@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import inspect
 import logging
+import re
 import secrets
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -38,6 +39,10 @@ log = logging.getLogger("asyncjobq.dashboard")
 Auth = Callable[[Request], bool | Awaitable[bool]]
 COOKIE = "asyncjobq_csrf"
 FIELD = "csrf_token"
+# What new_token makes. Anything else (a planted cookie, a forged field) is refused by its
+# shape before compare_digest, which raises TypeError on a non-ASCII str: that was a 500 on
+# every page, so whoever could plant a cookie locked users out.
+TOKEN_SHAPE = re.compile(r"[0-9a-f]{32}\.[0-9a-f]{64}")
 
 
 class AuthGate:
@@ -110,7 +115,7 @@ class Csrf:
         return f"{nonce}.{self._sign(nonce)}"
 
     def valid(self, token: str | None) -> bool:
-        if not token or token.count(".") != 1:
+        if token is None or TOKEN_SHAPE.fullmatch(token) is None:
             return False
         nonce, mac = token.split(".")
         return hmac.compare_digest(mac, self._sign(nonce))
