@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -351,3 +353,61 @@ async def test_a_key_with_more_waiting_retries_than_its_limit_still_moves(queue:
 def test_worker_sessions_turn_jit_off(queue: Queue) -> None:
     # A generic plan of the limited claim is costed past jit_above_cost on a large table.
     assert "'jit', 'off'" in queue.sql.session_worker_plans.as_string(None)
+
+
+class _ClockAhead:
+    """The fetcher module's `time`, with a wall clock `ahead` seconds ahead of the database's
+    (monotonic time, which alarms use, unchanged)."""
+
+    def __init__(self, ahead: float) -> None:
+        self.ahead = ahead
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+async def test_a_worker_clock_ahead_of_the_database_does_not_spin_on_a_rate_limit(
+        queue: Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31 item 4: the held-back claim's wait is the database's to compute. A worker 2 s
+    ahead that subtracted its own clock from the rate window's end woke before the window
+    freed, again and again, each claim under the task's advisory lock."""
+    from asyncjobq._worker import fetcher as fetcher_module
+
+    starts: list[float] = []
+
+    @queue.task(name="slow", rate_limit="1/s")
+    async def slow(job: Job) -> None:
+        starts.append(time.monotonic())
+
+    await queue.enqueue_many("slow", [{}] * 20)
+    monkeypatch.setattr(fetcher_module, "time", _ClockAhead(2.0))
+    w = Worker(queue, concurrency=5)
+    async with running(w):
+        fetcher = w.fetcher
+        assert fetcher is not None
+        claims = [0]
+        real_claim, real_folded = fetcher.claim, fetcher.folded_claimed
+
+        async def claim(limit: int) -> list[Job]:
+            claims[0] += 1
+            return await real_claim(limit)
+
+        def folded_claimed(rows: list[Any], reserved: int) -> None:
+            claims[0] += 1
+            real_folded(rows, reserved)
+
+        fetcher.claim = claim  # type: ignore[method-assign]
+        fetcher.folded_claimed = folded_claimed  # type: ignore[method-assign]
+        await wait_for(lambda: len(starts) >= 1, 10, what="a first start")
+        began, first = time.monotonic(), len(starts)
+        await wait_for(lambda: len(starts) >= first + 3, 10, what="three more starts")
+        elapsed = time.monotonic() - began
+    rate = claims[0] / elapsed
+    print(f"\nrate_limit=1/s, worker clock 2 s ahead: {claims[0]} claims in {elapsed:.2f} s "
+          f"({rate:.0f}/s), {len(starts) - first} starts")
+    assert rate < 10, f"{rate:.0f} claims/s for a 1/s task"
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert min(gaps) >= 0.9, gaps  # the limit still holds

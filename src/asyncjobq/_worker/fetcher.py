@@ -13,7 +13,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any
 
 import anyio
@@ -40,6 +39,12 @@ LOST_CLAIM_MEMORY = 10_000
 # slot usually starts the next one in the same flush; this is for the other workers, which no
 # notification tells.
 HELD_RETRY = 0.1
+# A claim held rows back for a rate limit: wait as long as the database says the window stays
+# full, but at least this long, doubling while claims come back with nothing, up to
+# poll_interval. A window that frees as the claim ends (a wait of zero) would otherwise be
+# claimed again at once, and every such claim queues on the task's lock in flow_admit with the
+# other workers' claims of it.
+RATE_RETRY = 0.02
 
 
 class Wakeup:
@@ -134,6 +139,7 @@ class Fetcher:
         # are retried after this long, doubling up to poll_interval: a limit that stays full
         # costs a claim a poll_interval.
         self._held_retry = HELD_RETRY
+        self._rate_retry = RATE_RETRY
 
     @property
     def single_queue(self) -> bool:
@@ -181,19 +187,22 @@ class Fetcher:
         ]
         if jobs:
             self._held_retry = HELD_RETRY
+            self._rate_retry = RATE_RETRY
         for r in rows:
             if r[0] is None:  # a limited claim held r[4] rows back (sql/claim.py)
-                self._held_back_until(r[4], r[7])
+                self._held_back_until(r[4], r[5])
         # RETURNING order is the update's, not the claim's: hand jobs out in claim order.
         jobs.sort(key=lambda j: (-j.priority, j.run_at, j.id))
         return jobs
 
-    def _held_back_until(self, held: int, retry_at: datetime | None) -> None:
-        # A rate limit says when its next start is free; a concurrency or key limit's slot
-        # frees when a job ends, which only its worker's own next claim sees at once.
+    def _held_back_until(self, held: int, wait_ms: int | None) -> None:
+        # A rate limit says how soon its next start is free, on the database's clock (this
+        # worker's may run ahead of it or behind); a concurrency or key limit's slot frees
+        # when a job ends, which only its worker's own next claim sees at once.
         self.held_back += held
-        if retry_at is not None:
-            delay = max(0.0, retry_at.timestamp() - time.time())
+        if wait_ms is not None:
+            delay = max(wait_ms / 1000, self._rate_retry)
+            self._rate_retry = min(self._poll_interval, 2 * self._rate_retry)
         else:
             delay = min(self._poll_interval, self._held_retry)
             self._held_retry = min(self._poll_interval, 2 * self._held_retry)

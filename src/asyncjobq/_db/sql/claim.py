@@ -141,7 +141,8 @@ class WorkerStatements(Role):
     # then flow_admit decides, under locks and on fresh snapshots, which of the locked rows
     # start. A worker without limited tasks runs the statements above, unchanged. Besides the
     # claimed rows, one marker row (id NULL) says how many rows were held back (in the
-    # `priority` column) and when the first rate-limited one may start (`run_at`).
+    # `priority` column) and in how many milliseconds the first rate-limited one may start
+    # (`attempts`).
 
     @staticmethod
     def _job_claim_limited(next_due: str, outgoing: str,
@@ -202,11 +203,15 @@ class WorkerStatements(Role):
         # Also when nothing was held but the claim came back short while due jobs of limited
         # tasks wait: its scan left them out (a busy key, a full task), and no notification
         # will say when they may start. Typed as CLAIM_COLUMNS are: a subquery's bare NULLs
-        # would be text.
+        # would be text. The wait until the first full rate window frees comes as
+        # milliseconds (the `attempts` column), reckoned on the clock the window was counted
+        # on: a worker that subtracted its own clock from the window's end woke early by as
+        # much as it ran ahead, and claimed again and again until the window freed.
         return (
             "SELECT NULL::bigint, NULL::text, NULL::text, NULL::jsonb, held,"
-            " NULL::int, NULL::int, least(retry_at, (SELECT retry_at FROM flow_sat)),"
-            " NULL::timestamptz, NULL::jsonb"
+            " ceil(extract(epoch FROM least(retry_at, (SELECT retry_at FROM flow_sat))"
+            "  - clock_timestamp()) * 1000)::int,"
+            " NULL::int, NULL::timestamptz, NULL::timestamptz, NULL::jsonb"
             # Not an EXISTS over the queue's waiting rows: across priorities no index bounds
             # run_at <= now(), and it walked every delayed row. A short claim with a task full
             # in this snapshot, or with keyed tasks, may have stepped over rows; the fetcher
