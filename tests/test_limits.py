@@ -411,3 +411,20 @@ async def test_a_worker_clock_ahead_of_the_database_does_not_spin_on_a_rate_limi
     assert rate < 10, f"{rate:.0f} claims/s for a 1/s task"
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert min(gaps) >= 0.9, gaps  # the limit still holds
+
+
+async def test_a_worker_of_several_queues_applies_limits(queue: Queue) -> None:
+    """The limited claim of several queues put its scan, ORDER BY and LIMIT included, after
+    UNION ALL unparenthesised: they applied to the union, and every claim failed."""
+    spans: list[tuple[float, float]] = []
+
+    @queue.task(name="one", concurrency_limit=1)
+    async def one(job: Job) -> None:
+        start = time.monotonic()
+        await asyncio.sleep(0.05)
+        spans.append((start, time.monotonic()))
+
+    await queue.enqueue_many(one, [{}] * 4)
+    async with running(Worker(queue, queues=["default", "other"], concurrency=4)):
+        await wait_for(lambda: len(spans) == 4, 10, what="the four jobs")
+    assert peak_overlap(spans) == 1

@@ -177,8 +177,10 @@ class WorkerStatements(Role):
             "      AND e.run_at <= now() AND " + queue_of("e") +
             "    ORDER BY e.priority DESC, e.run_at, e.id LIMIT 1"
             "    FOR NO KEY UPDATE SKIP LOCKED) h),"
+            # next_due in parentheses: the several queues' scan ends in its own ORDER BY and
+            # LIMIT, which would otherwise apply to the union.
             " flow_cand AS MATERIALIZED (SELECT ARRAY("
-            "  SELECT id FROM (SELECT id FROM flow_next UNION ALL " + next_due + ") c"
+            "  SELECT id FROM (SELECT id FROM flow_next UNION ALL (" + next_due + ")) c"
             "  LIMIT %(limit)s) AS ids),"
             # flow_admit only when a candidate has a limit: jobs without one start as they
             # would from the plain claim, without the function's call and locks.
