@@ -428,3 +428,75 @@ async def test_a_worker_of_several_queues_applies_limits(queue: Queue) -> None:
     async with running(Worker(queue, queues=["default", "other"], concurrency=4)):
         await wait_for(lambda: len(spans) == 4, 10, what="the four jobs")
     assert peak_overlap(spans) == 1
+
+
+async def test_a_worker_sends_only_the_limits_of_its_queues_tasks(queue: Queue) -> None:
+    """Issue 31 item 5: a worker of `default` ran the limited claim, and paid for it, because
+    the app had a limited task on `exports`."""
+    ran: list[str] = []
+
+    @queue.task(name="plain")
+    async def plain(job: Job) -> None:
+        ran.append(job.task)
+
+    @queue.task(name="export", queue="exports", concurrency_limit=1)
+    async def export(job: Job) -> None:
+        ran.append(job.task)
+
+    w = Worker(queue, queues=["default"])
+    async with running(w):
+        fetcher = w.fetcher
+        assert fetcher is not None
+        assert fetcher._limits is None
+        folded = fetcher.fold()
+        assert folded is not None
+        fetcher.folded_claimed([], folded[2])
+        assert folded[0] is queue.sql.job_set_outcome_if_running_many_then_claim_one_queue
+        assert "limits" not in folded[1]
+        await plain.enqueue({})
+        await wait_for(lambda: ran == ["plain"], 10, what="the plain job")
+    w = Worker(queue, queues=["default", "exports"])
+    async with running(w):
+        assert w.fetcher is not None
+        assert json.loads(w.fetcher._limits or "null") == {"export": {"c": 1}}
+        await export.enqueue({})
+        await wait_for(lambda: ran == ["plain", "export"], 10, what="the export job")
+
+
+async def test_a_limited_task_is_enqueued_only_into_its_own_queue(queue: Queue) -> None:
+    """A queue's workers apply the limits of the tasks declared on it: a job of a limited task
+    anywhere else would run unlimited, so the API refuses it, and a worker that claims one
+    (written from SQL, or by a producer that does not register the task) fails it unrun."""
+    ran: list[int] = []
+
+    @queue.task(name="export", queue="exports", rate_limit="1/m")
+    async def export(job: Job) -> None:
+        ran.append(job.id)
+
+    fix = "task 'export' has flow limits and runs in queue 'exports'"
+    with pytest.raises(ConfigurationError, match=fix):
+        await queue.enqueue("export", {}, queue="default")
+    with pytest.raises(ConfigurationError, match=fix):
+        await export.enqueue({}, queue="default")
+    with pytest.raises(ConfigurationError, match=fix):
+        await queue.enqueue_many(export, [{}], queue="default")
+    queue.periodic("export", every=60, queue="default")
+    with pytest.raises(ConfigurationError, match=fix):
+        queue.check_schedules()
+    del queue.schedules["export"]
+    assert await _left(queue) == 0
+    own = await export.enqueue({}, queue="exports")
+    stray = await fetchval(queue, "SELECT {s}.enqueue('export', '{{}}')")  # into 'default'
+    async with running(Worker(queue, queues=["default", "exports"])):
+        await wait_for(lambda: ran == [own], 10, what="the job in its own queue")
+    # A worker serving 'default' and 'exports' sent the task's limits: the stray job, in
+    # 'default', was held by the rate limit, not run unlimited.
+    assert (await queue.get(stray)).status == "queued"  # type: ignore[union-attr]
+    async with running(Worker(queue, queues=["default"])):
+        async def failed() -> bool:
+            return (await queue.get(stray)).status == "failed"  # type: ignore[union-attr]
+        await wait_for(failed, 10, what="the stray job failed")
+    info = await queue.get(stray)
+    assert info is not None and info.attempts == 1
+    assert fix in (info.last_error or "") and "enqueue it into 'exports'" in info.last_error
+    assert ran == [own]

@@ -483,7 +483,8 @@ async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
     wq = Queue(as_role(pg_dsn, roles.worker), schema=schema)
 
     # Limited: every claim goes through flow_admit and its log of starts, as the worker role.
-    @wq.task(name="ok", concurrency_limit=5, key_limit=1, rate_limit="1000/s")
+    # Declared on the worker's queue: a worker sends only its own queues' limits.
+    @wq.task(name="ok", queue="roles", concurrency_limit=5, key_limit=1, rate_limit="1000/s")
     async def ok(job: Job) -> None:
         pass
 

@@ -202,7 +202,8 @@ class Queue:
         """Register a handler: `@queue.task()` above `async def` (plain `def` runs in a thread).
 
         Limits (`concurrency_limit`, `key_limit`, `rate_limit`) take effect in the workers
-        that register the task, when they (re)start.
+        that register the task and serve its queue, when they (re)start; a limited task's jobs
+        are enqueued into its queue only (docs/guides/flow-control.md).
 
         Args:
             name: the task's name, stored with each job; default "<module>.<qualname>".
@@ -352,6 +353,10 @@ class Queue:
                     f"schedule {s.name!r} enqueues task {s.task!r}, which is not registered: "
                     f"register it with @queue.task(name={s.task!r}) or fix the schedule's task "
                     f"(registered tasks: {known})")
+            if s.queue is not None and (why := t.refuses(s.queue)) is not None:
+                raise ConfigurationError(
+                    f"schedule {s.name!r}: {why}: leave out the schedule's queue=, or declare "
+                    f"the task on {s.queue!r} with @queue.task(queue={s.queue!r}, ...)")
             resolved.append(replace(
                 s, queue=s.queue if s.queue is not None else t.queue,
                 priority=s.priority if s.priority is not None else t.priority,
@@ -646,6 +651,10 @@ class Queue:
         prio = priority if priority is not None else (t.priority if t else 0)
         attempts = max_attempts if max_attempts is not None else (t.max_attempts if t else 3)
         check_queue_name(q)
+        if t is not None and (why := t.refuses(q)) is not None:
+            raise ConfigurationError(
+                f"{why}: enqueue it there (leave out queue=), or declare the task on "
+                f"{q!r} with @queue.task(queue={q!r}, ...)")
         _check_int("priority", prio)
         _check_max_attempts(attempts)
         return name, q, prio, attempts

@@ -45,7 +45,8 @@ class Task:
         owner: the Queue it is registered on.
         name: the name stored with each job (`job.task`).
         handler: the function, `async def` or plain `def`, that takes the `Job`.
-        queue: the queue its jobs go to unless an enqueue says otherwise.
+        queue: the queue its jobs go to unless an enqueue says otherwise (a task with limits:
+            always, see `refuses`).
         max_attempts: attempts before a failing job is dead-lettered.
         timeout: seconds an attempt may run; None: no limit.
         priority: the default priority of its jobs; higher runs first.
@@ -85,6 +86,15 @@ class Task:
         if self.rate_limit is not None:
             found["r"] = list(parse_rate(self.rate_limit))
         return found or None
+
+    def refuses(self, queue: str) -> str | None:
+        """Why a job of this task cannot run in `queue`, or None when it can. A worker sends
+        the limits of the tasks declared on the queues it serves (worker.py), so a limited
+        task's job in another queue would run past its limits there."""
+        if queue == self.queue or self.limits is None:
+            return None
+        return (f"task {self.name!r} has flow limits and runs in queue {self.queue!r}, whose "
+                f"workers apply them, not in {queue!r}")
 
     async def enqueue(
         self,

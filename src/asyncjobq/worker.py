@@ -33,7 +33,7 @@ from ._maintenance.scheduler import Scheduler
 from ._maintenance.services import Service, ServiceRunner
 from ._maintenance.vacuum import HotTableVacuum
 from ._worker.completer import Completer
-from ._worker.executor import RunningJob, execute, finished
+from ._worker.executor import RunningJob, execute, finished, refused
 from ._worker.fetcher import Fetcher
 from ._worker.heartbeat import Heartbeat
 from ._worker.listener import Listener
@@ -183,6 +183,9 @@ class Worker:
         # (id, attempt) -> when: handlers given up for a lost lease, whose rows the reaper takes.
         self._let_go: dict[tuple[int, int], float] = {}
         self._none_running: anyio.Event | None = None
+        # Limited tasks declared on queues this worker does not serve: it claims without their
+        # limits, so a job of theirs it claims must not run (set in run()).
+        self._refused: frozenset[str] = frozenset()
         # Events need a running loop; they are made in run(). stop() may come earlier.
         self._stop_requested = False
         self._stop: anyio.Event | None = None
@@ -249,8 +252,14 @@ class Worker:
             concurrency=self.concurrency, poll_interval=self.poll_interval,
             free_slots=self._free_slots, dispatch=self._dispatch, held=self._keep,
             claimed=self._claimed,
+            # Only the limits of tasks declared on this worker's queues: any limit sent makes
+            # every claim the slower limited one (docs/guides/flow-control.md), and a limited
+            # task's jobs are in its own queue (Queue.enqueue refuses any other; one written
+            # there from SQL is refused unrun, see _execute).
             limits={t.name: lim for t in self.queue.tasks.values()
-                    if (lim := t.limits) is not None})
+                    if t.queue in self.queues and (lim := t.limits) is not None})
+        self._refused = frozenset(t.name for t in self.queue.tasks.values()
+                                  if t.queue not in self.queues and t.limits is not None)
         completer = self.completer = Completer(
             db, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
             on_written=self._written, fetcher=fetcher,
@@ -405,8 +414,11 @@ class Worker:
         outcome: Outcome | None = None
         hooks = self.queue.hooks if self.queue.hooks.active else None
         try:
-            outcome = await execute(running, self.queue.tasks.get(job.task),
-                                    self.queue.tasks, self._threads, hooks)
+            if job.task in self._refused:
+                outcome = refused(job, self.queue.tasks[job.task])
+            else:
+                outcome = await execute(running, self.queue.tasks.get(job.task),
+                                        self.queue.tasks, self._threads, hooks)
         finally:
             if hooks is not None and hooks.on_finished:
                 hooks.spawn("on_finished", job=job, outcome=finished(outcome, running),

@@ -136,13 +136,13 @@ class WorkerStatements(Role):
 
     # --- claims of a worker that has limited tasks (0007_flow_control.sql) ------------------
     # The same claim, plus %(limits)s ({task: {"c": n, "k": n, "r": [n, seconds]}}, the
-    # worker's limited tasks). Its scan leaves out rows its snapshot shows over a limit (so
-    # that a busy key or a full task does not fill the batch with rows that cannot start),
-    # then flow_admit decides, under locks and on fresh snapshots, which of the locked rows
-    # start. A worker without limited tasks runs the statements above, unchanged. Besides the
-    # claimed rows, one marker row (id NULL) says how many rows were held back (in the
-    # `priority` column) and in how many milliseconds the first rate-limited one may start
-    # (`attempts`).
+    # limited tasks declared on the worker's queues). Its scan leaves out rows its snapshot
+    # shows over a limit (so that a busy key or a full task does not fill the batch with rows
+    # that cannot start), then flow_admit decides, under locks and on fresh snapshots, which of
+    # the locked rows start. A worker without limited tasks on its queues runs the statements
+    # above, unchanged. Besides the claimed rows, one marker row (id NULL) says how many rows
+    # were held back (in the `priority` column) and in how many milliseconds the first
+    # rate-limited one may start (`attempts`).
 
     @staticmethod
     def _job_claim_limited(next_due: str, outgoing: str,
