@@ -127,6 +127,75 @@ async def test_the_scheduler_enqueues_one_0230_job_on_both_dst_days(queue: Queue
         "10-24 02:30 CEST", "10-25 02:30 CEST", "10-26 02:30 CET"]
 
 
+# --- review of issue 31: DST changes off the hour, long leases ------------------------------
+
+
+@pytest.mark.timeout(60)
+async def test_a_leader_turning_after_chathams_fall_back_does_not_freeze(queue: Queue) -> None:
+    """Pacific/Chatham falls back at 03:45 +13:45 to 02:45 +12:45. A turn that catches up a
+    "0 */2 * * *" tick across it walked cronsim backwards through the repeated hour for ever,
+    on the event loop (every later leader froze the same way). Now it enqueues the tick and
+    the loop stays free: a ticker on the loop runs all through the turns."""
+    queue.task(name="every2h")(noop)
+    queue.periodic("every2h", cron="0 */2 * * *", timezone="Pacific/Chatham", name="chatham")
+    sched = scheduler(queue, grace=240)
+    before = utc(2026, 4, 4, 12, 15) - timedelta(minutes=10)  # 01:50 +13:45
+    await sched.turn(now=before)  # where the schedule starts
+    await sched.turn(now=utc(2026, 4, 4, 12, 15, 1))  # 02:00 +13:45, on time
+
+    beats = 0
+
+    async def ticker() -> None:
+        nonlocal beats
+        while True:
+            beats += 1
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(ticker())
+    try:
+        # 04:00 +12:45 is 15:15 UTC; the turn comes 30 s late, inside the grace period.
+        assert await asyncio.wait_for(sched.turn(now=utc(2026, 4, 4, 15, 15, 30)), 30) == 1
+    finally:
+        task.cancel()
+    assert beats >= 1
+    local = [t.astimezone(ZoneInfo("Pacific/Chatham")).isoformat()
+             for t in await job_times(queue, "every2h")]
+    assert local == ["2026-04-05T02:00:00+13:45", "2026-04-05T04:00:00+12:45"]
+
+
+async def test_no_tick_is_skipped_at_lord_howes_half_hour_fall_back(queue: Queue) -> None:
+    """Australia/Lord_Howe falls back 30 minutes at 02:00 +11:00. "0 */2 * * *" matches
+    00:00 +11:00, 02:00 +10:30 and 04:00 +10:30; the middle one was stepped over."""
+    queue.task(name="every2h")(noop)
+    queue.periodic("every2h", cron="0 */2 * * *", timezone="Australia/Lord_Howe", name="lhi")
+    sched = scheduler(queue)
+    start = utc(2026, 4, 4, 12)  # 23:00 +11:00
+    for step in range(6 * 60 + 1):  # a turn a minute for six hours, 1 s before each minute:
+        # each tick is enqueued ahead, on time, as when turning every second
+        await sched.turn(now=start + timedelta(minutes=step, seconds=-1))
+    local = [t.astimezone(ZoneInfo("Australia/Lord_Howe")).strftime("%H:%M%z")
+             for t in await job_times(queue, "every2h")]
+    assert local == ["00:00+1100", "02:00+1030", "04:00+1030"]
+
+
+async def test_a_takeover_inside_two_long_leases_enqueues_every_missed_tick(
+        queue: Queue) -> None:
+    """Every second, lease 120 s (grace 240 s): a leader gone for 150 s missed 150 ticks.
+    Catch-up inside the grace period was capped at 100, the first 50 skipped."""
+    queue.task(name="tick")(noop)
+    queue.periodic("tick", every=1, name="each-second")
+    sched = scheduler(queue, grace=2 * 120)
+    t = utc(2026, 6, 1, 12)
+    await sched.turn(now=t)
+    await sched.turn(now=t + timedelta(seconds=1))  # enqueues 12:00:01..03 (ahead)
+    last = await last_tick(queue, "each-second")
+    assert last == t + timedelta(seconds=3)
+    await sched.turn(now=last + timedelta(seconds=150))
+    times = await job_times(queue, "tick")
+    expected = [t + timedelta(seconds=i) for i in range(1, 3 + 150 + 3)]  # + 2 s ahead
+    assert times == expected
+
+
 # --- the database's guard -------------------------------------------------------------------
 
 

@@ -18,13 +18,20 @@ Cron expressions are parsed and stepped by cronsim (the `cron` extra). How ticks
   such as `*/10 * * * * *`) is stepped in real time: each instant whose local time matches
   runs, so an hourly job runs 23 times on a spring-forward day and 25 times on a fall-back
   day, as an interval would.
+- Ticks are found by walking forward only: cronsim steps naive wall times (calendar
+  arithmetic, which cannot loop), each is mapped to its instants, and instants that a later
+  wall time maps earlier (a DST change) wait in a heap until no later wall time can precede
+  them. Every walk is bounded (MAX_WALK): a runaway schedule fails as a broken one does.
+  tests/test_cron_zones.py checks every zone's changes of 2025-2027 against a brute force.
 - `every` ticks are the multiples of the interval since 1970-01-01 00:00 UTC, whatever the
   timezone: every worker computes the same ticks without remembering when it started.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, tzinfo
@@ -46,10 +53,19 @@ SHORTCUTS = {
 MIN_EVERY = 1.0
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
-# The largest UTC offset change of any zone's DST rules is 2 hours (Troll, Antarctica): a
-# backwards walk in wall time that has passed its bound by more than this cannot find a tick
-# mapped after the bound.
-_DST_SLACK = timedelta(hours=3)
+_SECOND = timedelta(seconds=1)
+# Where a cron walk looks for the zone's other offsets near its start (Cron._first_wall). Real
+# time: a fall-back ahead, which no zone makes larger than an hour (3 allows for odd rules).
+# Wall mode: a spring-forward behind, at most a day (Samoa skipped one in 2011).
+_AHEAD_PROBES = tuple(timedelta(hours=h) for h in (0, 1, 2, 3))
+_BEHIND_PROBES = tuple(timedelta(hours=-h) for h in (0, 1, 2, 3, 6, 12, 24))
+# A walk that steps this many matching wall times without one tick is a bug, not a schedule:
+# it fails like a schedule that cannot be computed (the scheduler logs it; the others go on).
+# Far above any real walk: the wall times a walk skips before its start are at most the few
+# hours of a DST change of a per-second expression (7,200 at 2 hours).
+MAX_WALK = 100_000
+# latest() walks forward from this far before its end, then 4, 16, ... times as far.
+_FIRST_SPAN = timedelta(minutes=1)
 
 
 class Clock:
@@ -100,51 +116,110 @@ class Cron(Clock):
         self.tz = tz
         self.wall = wall
 
-    def _steps(self, start: datetime, reverse: bool) -> Iterator[datetime]:
+    def _walls(self, after: datetime) -> Iterator[datetime]:
+        """Naive local wall times that match, strictly after `after` (naive), in order.
+
+        cronsim steps naive datetimes as plain calendar arithmetic, which cannot loop: every
+        step moves forward, and it gives up after 50 years without a match.
+        """
         from cronsim import CronSim
 
-        # cronsim yields matches strictly after `start` (strictly before when reversed), at
-        # whole seconds; the UTC instant of each is taken by the caller.
-        return CronSim(self.fields, start, reverse=reverse)
+        steps = CronSim(self.fields, after)
+        while True:
+            try:
+                yield next(steps)
+            except (StopIteration, OverflowError, ValueError):
+                return  # no match for 50 years, or past the year 9999
 
-    def _instant(self, step: datetime) -> datetime:
+    def _instants(self, wall: datetime) -> tuple[list[datetime], bool]:
+        """The UTC instants a matching wall time runs at, and whether the wall time exists.
+
+        Real time: every instant whose local time is `wall`, so none in a spring-forward gap
+        and two in a fall-back overlap. Wall mode: one instant, fold=0 (a repeated wall time is
+        its first occurrence; one in a gap takes the offset from before the jump).
+        """
+        first = wall.replace(tzinfo=self.tz, fold=0).astimezone(UTC)
+        exists = first.astimezone(self.tz).replace(tzinfo=None) == wall
         if self.wall:
-            # fold=0: a wall time that happens twice is its first occurrence; one that does
-            # not exist takes the offset from before the jump.
-            return step.replace(tzinfo=self.tz, fold=0).astimezone(UTC)
-        return step.astimezone(UTC)
+            return [first], exists
+        if not exists:
+            return [], False
+        second = wall.replace(tzinfo=self.tz, fold=1).astimezone(UTC)
+        return ([first, second] if second != first else [first]), True
 
-    def _start(self, t: datetime) -> datetime:
-        local = t.astimezone(self.tz)
-        # Wall mode steps naive local times: cronsim then applies no timezone rule of its own.
-        return local.replace(tzinfo=None, fold=0) if self.wall else local
+    def _first_wall(self, t: datetime) -> datetime:
+        """A wall time early enough that no wall time before it runs after `t`.
+
+        In real time, a fall-back just ahead of `t` maps wall times already passed at `t` to
+        later instants (their second occurrence, through the lower offset ahead); in wall
+        mode, a spring-forward just behind `t` maps wall times of its gap to instants after
+        the jump (through the lower offset behind). Starting from the lowest offset near `t`
+        walks those wall times too; the instants at or before `t` are then dropped.
+        """
+        sign = -1 if self.wall else 1
+        here = low = self._offset(t)
+        for probe in _BEHIND_PROBES if self.wall else _AHEAD_PROBES:
+            o = self._offset(t + probe)
+            # Only a change within its own size of `t` maps a wall time before `t` after it.
+            if o < low and self._offset(t + sign * (here - o)) == o:
+                low = o
+        return (t + low).replace(tzinfo=None) - _SECOND
+
+    def _offset(self, t: datetime) -> timedelta:
+        offset = t.astimezone(self.tz).utcoffset()
+        assert offset is not None  # a ZoneInfo always has one
+        return offset
 
     def forward(self, t: datetime) -> Iterator[datetime]:
+        t = t.astimezone(UTC)
         last = t
-        for step in self._steps(self._start(t), reverse=False):
-            tick = self._instant(step)
-            # Wall times around a DST change can map to instants already passed: each instant
-            # runs once, in order.
-            if tick > last:
-                last = tick
-                yield tick
+        # Instants found but not yet safe to yield: a later wall time may map earlier (the
+        # second occurrence of a repeated wall time, a wall time in a gap).
+        pending: list[datetime] = []
+        walked = 0
+        for wall in self._walls(self._first_wall(t)):
+            walked += 1
+            if walked > MAX_WALK:
+                raise ConfigurationError(
+                    f"cron={self.fields!r} in {self.tz}: {MAX_WALK:,} matching wall times "
+                    f"after {t.isoformat()} gave no tick: change the expression or the "
+                    "timezone (and report it: no real schedule should do this)")
+            instants, exists = self._instants(wall)
+            for x in instants:
+                if x > last:
+                    heapq.heappush(pending, x)
+            if not exists or not instants:
+                continue
+            # An existing wall time's first instant bounds every later wall time's instants
+            # from below (fold=0 is increasing over the wall times that exist).
+            while pending and pending[0] <= instants[0]:
+                x = heapq.heappop(pending)
+                if x > last:
+                    last = x
+                    walked = 0
+                    yield x
+        while pending:  # cronsim found no match for 50 years
+            x = heapq.heappop(pending)
+            if x > last:
+                last = x
+                yield x
 
     def latest(self, after: datetime, until: datetime, n: int) -> tuple[list[datetime], bool]:
-        found: set[datetime] = set()
-        # +1 µs: cronsim's reverse walk starts strictly before its start, and `until` itself
-        # may be a tick.
-        start = self._start(until + _US)
-        floor = self._start(after) - _DST_SLACK if self.wall else None
-        for step in self._steps(start, reverse=True):
-            tick = self._instant(step)
-            if after < tick <= until:
-                found.add(tick)
-                if len(found) > n:
+        # Forward walks only (a backward walk through a DST change is what can loop), over a
+        # span back from `until` that grows until it holds n + 1 ticks or reaches `after`.
+        span = _FIRST_SPAN
+        while True:
+            start = max(after, until - span)
+            found: deque[datetime] = deque(maxlen=n + 1)
+            for tick in self.forward(start):
+                if tick > until:
                     break
-            elif tick <= after and (floor is None or step < floor):
-                break
-        ticks = sorted(found)
-        return ticks[-n:], len(ticks) > n
+                found.append(tick)
+            if len(found) > n:
+                return list(found)[1:], True
+            if start == after:
+                return list(found), False
+            span *= 4
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-import anyio.lowlevel
+import anyio.to_thread
 import psycopg
 
 from .._db.database import Database
@@ -50,9 +50,6 @@ MAX_CATCH_UP = 100
 # only the rows a turn in flight could write again (a turn is cut at `timeout`).
 KEEP_TICKS = 600.0
 PRUNE_EVERY = 60.0
-# Compute this many schedules between two yields to the event loop: claims and heartbeats
-# must not wait for a turn over thousands of schedules.
-YIELD_EVERY = 50
 # A latest tick this far past the clock was not written ahead (that is AHEAD at most): the
 # server's clock went back.
 CLOCK_WENT_BACK = 60.0
@@ -102,22 +99,9 @@ class Scheduler(Service):
         server_now: datetime = rows[0][2] if rows else datetime.now().astimezone()
         if now is None:
             now = server_now
-        ticks: dict[str, list[list[object]]] = {}
-        went_back: list[str] = []
-        for i, s in enumerate(self.schedules):
-            if i and i % YIELD_EVERY == 0:
-                await anyio.lowlevel.checkpoint()
-            last = latest.get(s.name)
-            if last is not None and last > now + timedelta(seconds=CLOCK_WENT_BACK):
-                went_back.append(s.name)
-                continue
-            try:
-                due = self._due(s, last, now)
-            except Exception as e:  # a bug in one schedule must not stop the others
-                self._failed(s.name, "computing its ticks", e, traceback=True)
-                continue
-            if due:
-                ticks[s.name] = due
+        # In a thread: the event loop's claims and heartbeats never wait for tick arithmetic,
+        # however many schedules there are (periodic.py also bounds every walk).
+        ticks, went_back = await anyio.to_thread.run_sync(self._compute, latest, now)
         computed = time.perf_counter()
         if went_back:
             await self._restart_from(went_back, latest, now)
@@ -189,6 +173,25 @@ class Scheduler(Service):
                         "are forgotten and it goes on from now", name, last.isoformat(),
                         (last - now).total_seconds(), now.isoformat())
 
+    def _compute(self, latest: dict[str, datetime | None],
+                 now: datetime) -> tuple[dict[str, list[list[object]]], list[str]]:
+        """Each schedule's due ticks, and the schedules whose latest tick is past the clock."""
+        ticks: dict[str, list[list[object]]] = {}
+        went_back: list[str] = []
+        for s in self.schedules:
+            last = latest.get(s.name)
+            if last is not None and last > now + timedelta(seconds=CLOCK_WENT_BACK):
+                went_back.append(s.name)
+                continue
+            try:
+                due = self._due(s, last, now)
+            except Exception as e:  # a bug in one schedule must not stop the others
+                self._failed(s.name, "computing its ticks", e, traceback=True)
+                continue
+            if due:
+                ticks[s.name] = due
+        return ticks, went_back
+
     def _failed(self, name: str, doing: str, e: Exception, *, traceback: bool = False) -> None:
         kind = type(e).__name__
         if self._failing.get(name) == kind:
@@ -214,7 +217,11 @@ class Scheduler(Service):
             return rows
         missed: list[datetime] = []
         if nxt <= now:
-            if nxt >= now - self.grace or s.catch_up:
+            if nxt >= now - self.grace:
+                # All of them: ticks are at least a second apart, so a gap shorter than grace
+                # holds at most this many.
+                missed, _ = s.clock.latest(last, now, int(self.grace.total_seconds()) + 2)
+            elif s.catch_up:
                 missed, more = s.clock.latest(last, now, MAX_CATCH_UP)
                 if more:
                     log.warning("schedule %s: more than %d ticks were missed since %s; "
