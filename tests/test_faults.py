@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from conftest import execute, fetchval, restart, wait_for
 from drills import Drill, assert_clean, backends, no_tracebacks
+from psycopg import sql
 
 from asyncjobq import Queue
 
@@ -284,28 +285,44 @@ async def test_sigterm_under_load(queue: Queue, pg_dsn: str) -> None:
 
 @pytest.mark.timeout(120)
 async def test_handler_blocking_the_loop(queue: Queue, pg_dsn: str) -> None:
-    drill = Drill(queue, pg_dsn, "handler blocks the event loop for 3x the lease", jobs=500,
+    # 10 s, 5 leases: the fleet takes the job back from 5/3 to 2 leases (and a reaper turn)
+    # into the block (heartbeat.py, _watch_loop), with room for a loaded machine.
+    drill = Drill(queue, pg_dsn, "handler blocks the event loop for 5x the lease", jobs=500,
                   seconds=0.01)
     await drill.setup()
-    blocked = await queue.enqueue("block", {"seconds": 6}, queue="blocking")
+    blocked = await queue.enqueue("block", {"by_attempt": [10, 0]}, queue="blocking")
     drill.jobs += 1
     try:
         blocker = drill.start_worker("--queue", "blocking")
         await wait_for(lambda: fetchval(queue, "SELECT count(*) = 1 FROM {s}.claims"
                                         " WHERE job_id = %s", blocked), timeout=30,
                        what="the blocking job running")
-        # Reapers of other workers are watching: the job must not be taken from the blocked one.
+        # A loop blocked for a lease stops its heartbeats: another worker's reaper takes the
+        # job back and another worker runs it, while the blocker's loop is still blocked.
         for _ in range(2):
             drill.start_worker("--queue", "default", "--queue", "blocking")
         await wait_for(lambda: done(queue, blocked), timeout=60, what="blocking job done")
         drill.fault_ended = time.monotonic()
         result = await drill.drain()
         assert_clean(result)
-        assert await fetchval(queue, "SELECT count(*) FROM {s}.claims WHERE job_id = %s",
-                              blocked) == 1
+        async with queue.connection() as conn:
+            cur = await conn.execute(sql.SQL("SELECT attempt, pid FROM {}.claims WHERE job_id = %s"
+                                             " ORDER BY attempt").format(
+                                                 sql.Identifier(queue.schema)), (blocked,))
+            runs = await cur.fetchall()
+        assert [a for a, _ in runs] == [1, 2] and runs[0][1] == blocker.pid != runs[1][1]
+        info = await queue.get(blocked)
+        assert info is not None and info.attempts == 2 and info.last_error is not None
+        assert "attempt 1: lease expired" in info.last_error
+        # The blocked attempt's own outcome, once its loop came back, was refused.
+        await wait_for(lambda: "refused" in drill.stderr(blocker)
+                       and "event loop running again" in drill.stderr(blocker), timeout=30,
+                       what="the blocker's loop back and its late outcome refused")
         blocker.send_signal(signal.SIGTERM)
         returncode, err = drill.wait(blocker)
         assert returncode == 0
-        assert "event loop blocked" in err and "block" in err, err[-2000:]
+        assert "ERROR asyncjobq.heartbeat: event loop blocked" in err, err[-3000:]
+        assert "a job's handler at apps/testapp.py:" in err and "in block_job" in err, err[-3000:]
+        assert "event loop running again" in err, err[-3000:]
     finally:
         no_tracebacks(drill.stop())

@@ -30,18 +30,21 @@ async def log_job(job: Job) -> None:
 async def sleep_job(job: Job) -> None:
     """Sleeps payload["seconds"]; payload["by_attempt"] = [s1, s2, ...] overrides per attempt."""
     await log_execution(job)
+    await anyio.sleep(_seconds(job))
+
+
+def _seconds(job: Job) -> float:
     by_attempt = job.payload.get("by_attempt")
     if by_attempt:
-        seconds = by_attempt[min(job.attempt, len(by_attempt)) - 1]
-    else:
-        seconds = job.payload.get("seconds", 1)
-    await anyio.sleep(float(seconds))
+        return float(by_attempt[min(job.attempt, len(by_attempt)) - 1])
+    return float(job.payload.get("seconds", 1))
 
 
 @queue.task(name="block", max_attempts=5)
 async def block_job(job: Job) -> None:
+    """Blocks the event loop payload["seconds"]; payload["by_attempt"] as in sleep_job."""
     await log_execution(job)
-    time.sleep(float(job.payload.get("seconds", 1)))  # noqa: ASYNC251 - blocks the loop on purpose
+    time.sleep(_seconds(job))  # noqa: ASYNC251 - blocks the loop on purpose
 
 
 @queue.task(name="block_sync", max_attempts=5)

@@ -3,18 +3,28 @@
 A job may therefore run for many multiples of the lease; only a worker that stops heartbeating
 (dead, frozen, cut off) loses its jobs to the reaper.
 
-The heartbeat runs in its own OS thread on its own connection: a handler that blocks the event
-loop (`time.sleep` in an `async def`) cannot starve it. The same thread watches the loop's
-ticker and, while the loop is blocked, warns and names the tasks that were running.
+The heartbeat runs in its own OS thread on its own connection, so a loop blocked for a moment
+(`time.sleep` in an `async def`) does not cost the worker its jobs. The same thread watches the
+loop's ticker and, while the loop is blocked, warns and names the code running on it.
+
+A loop blocked for a whole lease stops the beats: its worker can no longer finish, cancel or
+fence anything, and beats that went on would keep its jobs from the reaper for as long as the
+block lasts, which may be forever (a loop spinning in a bug). The fleet then takes the jobs
+back, as from a dead worker; if the loop returns, the beats resume and the lease machinery
+(worker.py, _cut_off and _lease_lost) lets go of the jobs whose lease lapsed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
 
@@ -24,6 +34,10 @@ from ..errors import reason
 log = logging.getLogger("asyncjobq.heartbeat")
 
 TICK = 0.1  # how often the loop reports that it is alive
+
+# Where a blocked loop's thread stands tells whose code blocks it (_blocker).
+_EXECUTOR = str(Path(__file__).with_name("executor.py"))
+_MAINTENANCE = str(Path(__file__).parent.parent / "_maintenance") + os.sep
 
 
 Held = list[tuple[int, int]]  # (job id, attempt)
@@ -52,16 +66,25 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         self._last_tick = time.monotonic()
         # When a beat last reached the database (or nothing was held, so nothing could lapse).
+        # Not moved while the loop is stalled: the cut-off (_watch_lease) must then fire.
         self._last_ok = time.monotonic()
         self._errors_seen: set[str] = set()
+        self._warned = False  # for the current block of the loop
+        # The last tick before the loop stalled (blocked for a lease); None while it is not.
+        self._stalled_from: float | None = None
+        # One cut-off waits on a blocked loop, not one per TICK of the block.
+        self._cut_off_pending = False
         self.beats = 0
         self.failures = 0
         self.blocked_warnings = 0
+        self.stalls = 0  # times the beats stopped for a loop blocked a whole lease
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._last_tick = self._last_ok = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"asyncjobq-heartbeat-"
                                         f"{self._worker_id}", daemon=True)
@@ -82,17 +105,27 @@ class Heartbeat:
             self._last_tick = time.monotonic()
             await asyncio.sleep(TICK)
 
+    @property
+    def stalled(self) -> bool:
+        """The loop has been blocked for a lease: no beats are sent until it returns."""
+        return self._stalled_from is not None
+
     def _run(self) -> None:
         conn: psycopg.Connection[tuple[object, ...]] | None = None
         next_beat = time.monotonic() + self.interval
-        blocked_since: float | None = None
         try:
             while not self._stop.wait(min(TICK, max(0.0, next_beat - time.monotonic()))):
                 # Nothing may end this thread but stop(): a worker that kept claiming without
                 # heartbeats would have every long job reaped and run twice.
                 try:
-                    blocked_since = self._watch_loop(blocked_since)
+                    was_stalled = self.stalled
+                    self._watch_loop()
                     self._watch_lease()
+                    if self.stalled:
+                        next_beat = time.monotonic() + self.interval  # not a busy wait meanwhile
+                        continue
+                    if was_stalled:
+                        next_beat = 0.0  # at once: every moment now lets the reaper take more
                     if time.monotonic() < next_beat:
                         continue
                     next_beat = time.monotonic() + self.interval
@@ -104,32 +137,95 @@ class Heartbeat:
         finally:
             _close(conn)
 
-    def _watch_loop(self, blocked_since: float | None) -> float | None:
+    def _watch_loop(self) -> None:
+        # A lag under a lease leaves every lease intact (a beat lands every interval, and the
+        # reaper takes only rows whose locked_at is older than a lease), so beats go on. At a
+        # lease they stop: the last one landed less than an interval before, so job_reap_stuck
+        # (_db/sql/maintenance.py) may take the jobs from 5/3 to 2 leases into the block, as
+        # _watch_lease, counting from that same beat, cuts them off on this worker.
         lag = time.monotonic() - self._last_tick
-        if lag < max(1.0, self._lease * 0.2):
-            return None
-        if blocked_since is None:
-            self.blocked_warnings += 1
-            tasks = sorted(set(self._running_tasks()))
+        if lag < min(self._lease, max(1.0, self._lease * 0.2)):
+            self._warned = False
+            if self._stalled_from is not None:
+                blocked = self._last_tick - self._stalled_from
+                self._stalled_from = None
+                log.warning(
+                    "event loop running again after being blocked for %.1f s; heartbeats "
+                    "resume. Handlers of jobs whose lease lapsed meanwhile are cancelled and "
+                    "their outcomes refused: the fleet runs those jobs again.", blocked)
+            return
+        if lag >= self._lease:
+            if self._stalled_from is None:
+                where, advice = self._blocker()
+                log.error(
+                    "event loop blocked for %.1f s, a whole lease, by %s; running tasks: %s. "
+                    "Heartbeats stop: this worker's jobs are no longer renewed, and the fleet "
+                    "will reap them and run them again. %s",
+                    lag, where, self._tasks(), advice)
+                self._stalled_from = self._last_tick
+                self.stalls += 1
+            return
+        if not self._warned:
+            where, advice = self._blocker()
             log.warning(
-                "event loop blocked for %.1f s (lease %.1f s); running tasks: %s. A handler is "
-                "blocking the loop: make it await, or define it with plain `def` so it runs in "
-                "a thread. Heartbeats continue from their own thread.",
-                lag, self._lease, ", ".join(tasks) or "none")
-            return time.monotonic()
-        return blocked_since
+                "event loop blocked for %.1f s by %s; running tasks: %s. Heartbeats continue "
+                "until it has been blocked for a lease (%.1f s); then this worker's jobs are "
+                "reaped and run again. %s",
+                lag, where, self._tasks(), self._lease, advice)
+            self._warned = True
+            self.blocked_warnings += 1
+
+    def _tasks(self) -> str:
+        return ", ".join(sorted(set(self._running_tasks()))) or "none"
+
+    def _blocker(self) -> tuple[str, str]:
+        """Whose code holds the loop's thread, where (innermost frames first), and what to do."""
+        frame = sys._current_frames().get(self._loop_thread or -1)
+        if frame is None:
+            return "code that could not be located", ""
+        # Outermost first, as extract_stack gives it; no source lines read from disk.
+        stack = traceback.StackSummary.extract(traceback.walk_stack(frame), limit=200,
+                                               lookup_lines=False)
+        stack.reverse()
+        del frame  # a frame of another thread kept alive here would pin its locals
+        attempts = [i for i, f in enumerate(stack)
+                    if f.filename == _EXECUTOR and f.name == "_attempt"]
+        if attempts:
+            # The executor's own frames (_run, _call) only say that a job runs; past them, the
+            # outermost frame is the handler (or its middleware), named if not among those shown.
+            inner = [f for f in stack[attempts[-1]:] if f.filename != _EXECUTOR] or stack[-1:]
+            where = _frames(inner)
+            if len(inner) > 3:
+                where += f", within {inner[0].name} ({_short(inner[0].filename)}:" \
+                         f"{inner[0].lineno})"
+            return (f"a job's handler at {where}",
+                    "Make the handler await (asyncio.sleep, async clients), or define it with "
+                    "plain `def` so that it runs in a thread.")
+        if stack and stack[-1].name == "select" and stack[-1].filename.endswith("selectors.py"):
+            return ("nothing: the loop waited for I/O, so the whole process was paused or "
+                    "starved of CPU", "Check the host (CPU limits, a suspended process or VM).")
+        if any(f.filename.startswith(_MAINTENANCE) for f in stack):
+            return (f"asyncjobq's maintenance code at {_frames(stack)}",
+                    "This is a bug in asyncjobq: please report it with this message.")
+        return (f"code running on the loop at {_frames(stack)}",
+                "Move blocking work off the loop (asyncio.to_thread) or make it await.")
 
     def _watch_lease(self) -> None:
         silent = time.monotonic() - self._last_ok
-        if silent < self._lease or self._loop is None:
+        if silent < self._lease or self._loop is None or self._cut_off_pending:
             return
-        # Every pass (each TICK): a job whose lease lapses between passes is let go within a
-        # TICK, not an interval later while another worker may already run it. The loop's
-        # handler skips what it has already cancelled.
+        # Every pass (each TICK) while the loop runs: a job whose lease lapses between passes
+        # is let go within a TICK, not an interval later while another worker may already run
+        # it. The loop's handler skips what it has already cancelled.
+        self._cut_off_pending = True
         try:
-            self._loop.call_soon_threadsafe(self._on_cut_off, silent)
+            self._loop.call_soon_threadsafe(self._cut_off_on_loop, silent)
         except RuntimeError:
-            pass  # loop closed: the worker is gone anyway
+            self._cut_off_pending = False  # loop closed: the worker is gone anyway
+
+    def _cut_off_on_loop(self, silent: float) -> None:
+        self._cut_off_pending = False
+        self._on_cut_off(max(silent, time.monotonic() - self._last_ok))
 
     def _connect(self) -> psycopg.Connection[tuple[object, ...]]:
         # Every beat is bounded in time: a connection the network dropped silently would
@@ -199,6 +295,18 @@ class Heartbeat:
 
     def _beat_once(self) -> None:
         _close(self._beat(None))
+
+
+def _frames(stack: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
+    """'dir/file.py:12 in f (called from ...)': the innermost frame and its two callers."""
+    shown = [f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in reversed(stack[-3:])]
+    if not shown:
+        return "an unknown place"
+    return shown[0] + (f" (called from {', '.join(shown[1:])})" if shown[1:] else "")
+
+
+def _short(filename: str) -> str:
+    return os.path.join(*Path(filename).parts[-2:])
 
 
 def _close(conn: psycopg.Connection[tuple[object, ...]] | None) -> None:
