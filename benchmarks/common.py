@@ -260,6 +260,32 @@ class Workers:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def server_cpu_s() -> float | None:
+    """CPU seconds used so far by this machine's PostgreSQL processes (every `postgres`
+    process's own, plus what the postmaster reaped of backends that exited), or None where
+    /proc cannot tell. A difference over a run is the server's CPU for that run, as long as
+    nothing else uses the server meanwhile."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        if name != "postgres":
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        # utime, stime, cutime, cstime: fields 14-17 of proc(5), counted from the state.
+        total += sum(int(x) for x in fields[11:15])
+    return total / tick
+
+
 def wait_drained(server: Server, schema: str, timeout: float = 600.0,
                  interval: float = 0.05) -> None:
     """Until the hot table holds no queued or running job (finished rows leave it)."""

@@ -19,6 +19,7 @@ from .common import (
     drop_schema,
     last_finished,
     prepare_jobs,
+    server_cpu_s,
     wait_drained,
 )
 
@@ -32,8 +33,10 @@ def drain(server: Server, schema: str, jobs: int, procs: int, *, concurrency: in
                 record=record, extra=extra)
     try:
         w.wait_ready()
+        cpu0 = server_cpu_s()
         t0 = w.go()
         wait_drained(server, schema)
+        cpu1 = server_cpu_s()
         done, t1 = last_finished(server, schema)
         results = w.stop()
     except BaseException:
@@ -48,6 +51,8 @@ def drain(server: Server, schema: str, jobs: int, procs: int, *, concurrency: in
         "double_claims": twice, "extra_executions": extra,
         "executions": sum(len(r.ids) for r in results) if record == "ids" else None,
         "worker_cpu_s": sum(r.cpu_s for r in results),
+        # The server's CPU from release to drained (benchmarks/common.py: server_cpu_s).
+        "server_cpu_s": cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
         "maxrss_mb": max(r.maxrss_kb for r in results) / 1024,
         "rss_samples_mb": [round(x / 1024, 1) for r in results for x in r.rss_samples_kb],
     }

@@ -5,7 +5,13 @@ settings, in the same run, alternating, medians of 3:
 - after: this tree, a worker whose tasks have no limits (it runs the claim statements it ran
   before; the schema has version 7's columns);
 - after, limited claim: this tree, a worker that also registers a limited task, so that every
-  claim goes through the limited statement (sql/claim.py) although no job has a limit.
+  claim goes through the limited statement (sql/claim.py) although no job has a limit;
+- after, limited task on exports: this tree, a worker of `default` in an app whose limited
+  task runs on another queue, `exports`: it must claim as a worker without limits does.
+
+Both trees run this tree's benchmarks/ (copied over the base worktree's), so that only src/
+differs. Server CPU per job is the PostgreSQL processes' CPU from release to drained
+(common.server_cpu_s): nothing else may use the server meanwhile.
 
     ASYNCJOBQ_DSN=postgresql://... .venv/bin/python -m benchmarks.limits_ab [--base d003a27]
         [--jobs 50000] [--rounds 3]
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,6 +64,9 @@ def main() -> None:
     p.add_argument("--base", default="d003a27", help="the commit before flow control")
     p.add_argument("--jobs", type=int, default=50_000)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cells", default="before,after,limited claim,exports",
+                   help="which cells, by a word of their names, comma-separated (the first "
+                        "named is the reference of the ratios)")
     args = p.parse_args()
     if not os.environ.get("ASYNCJOBQ_DSN"):
         sys.exit("set ASYNCJOBQ_DSN: each cell is a process of its own, and they must share "
@@ -64,18 +74,21 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="ajq-ab-base-")) / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
                     args.base], check=True, capture_output=True)
-    # The base tree's worker processes must import the base tree's asyncjobq, as this tree's
-    # common.Workers now arranges.
-    common = base / "benchmarks" / "common.py"
-    common.write_text(common.read_text().replace(
-        'env = {**os.environ, "PYTHONPATH": str(ROOT)}',
-        'env = {**os.environ, "PYTHONPATH": f"{ROOT / \'src\'}{os.pathsep}{ROOT}"}'))
+    # One harness for both: this tree's benchmarks/, whose worker processes import the
+    # asyncjobq of the tree they run in (common.Workers).
+    shutil.rmtree(base / "benchmarks")
+    shutil.copytree(ROOT / "benchmarks", base / "benchmarks",
+                    ignore=shutil.ignore_patterns("results", "__pycache__"))
     cells = [(f"before ({args.base})", base, []), ("after", ROOT, []),
-             ("after, limited claim", ROOT, ["--limited-task"])]
+             ("after, limited claim", ROOT, ["--limited-task"]),
+             ("after, limited task on exports", ROOT, ["--limited-elsewhere"])]
+    wanted = [w.strip() for w in args.cells.split(",") if w.strip()]
+    cells = [next(c for c in cells if w in c[0]) for w in wanted]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in cells}
     try:
         for r in range(args.rounds):
-            for name, tree, extra in cells:
+            # Every other round in reverse order: no cell always follows the same one.
+            for name, tree, extra in cells if r % 2 == 0 else cells[::-1]:
                 log(f"limits A/B round {r + 1}/{args.rounds}: {name}")
                 res = run_cell(tree, args.jobs, extra)
                 log(f"    {res['jobs_per_s']:,.0f} jobs/s")
@@ -83,16 +96,24 @@ def main() -> None:
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                        capture_output=True)
-    print("| drain, default settings, 1 process | jobs/s (median) | rounds | worker CPU s |")
-    print("|---|---:|---|---:|")
+    print("| drain, default settings, 1 process | jobs/s (median) | rounds | worker CPU s "
+          "| server CPU µs/job (median) |")
+    print("|---|---:|---|---:|---:|")
     for name, runs in results.items():
         rates = [x["jobs_per_s"] for x in runs]
         print(f"| {name} | {median(rates):,.0f} | {', '.join(f'{x:,.0f}' for x in rates)} | "
-              f"{median(x['worker_cpu_s'] for x in runs):.1f} |")
-    before = median(x["jobs_per_s"] for x in results[cells[0][0]])
+              f"{median(x['worker_cpu_s'] for x in runs):.1f} | {server_us(runs)} |")
+    ref = cells[0][0]
+    before = median(x["jobs_per_s"] for x in results[ref])
     for name, _, _ in cells[1:]:
         now = median(x["jobs_per_s"] for x in results[name])
-        print(f"\n{name}: {100 * (now - before) / before:+.1f} % jobs/s against before")
+        print(f"\n{name}: {now / before:.3f}x the jobs/s of {ref}")
+
+
+def server_us(runs: list[dict[str, Any]]) -> str:
+    per_job = [1e6 * x["server_cpu_s"] / x["done"] for x in runs
+               if x.get("server_cpu_s") is not None and x["done"]]
+    return f"{median(per_job):.0f}" if per_job else "-"
 
 
 if __name__ == "__main__":

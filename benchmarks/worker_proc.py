@@ -50,6 +50,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         async def limited_other(job: Job) -> None:
             pass
 
+    if args.limited_elsewhere:
+        # A limited task of another queue, which this worker (of `default`) does not serve:
+        # its limit must cost this worker nothing.
+        @queue.task(name="limited_export", queue="exports", concurrency_limit=1)
+        async def limited_export(job: Job) -> None:
+            pass
+
     kwargs: dict[str, Any] = {}
     if args.concurrency:
         kwargs["concurrency"] = args.concurrency
@@ -101,6 +108,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--metrics-port", type=int, default=None)
     # The flow-control A/B (benchmarks/limits_ab.py): also register a limited task.
     p.add_argument("--limited-task", action="store_true")
+    # ... or a limited task of another queue (`exports`), which this worker does not serve.
+    p.add_argument("--limited-elsewhere", action="store_true")
     return p.parse_args()
 
 
