@@ -184,6 +184,27 @@ async def test_hostile_csrf_cookie_or_field_is_refused_never_a_500(queue: Queue)
     assert (await queue.get(job_id)).status == "queued"  # type: ignore[union-attr]
 
 
+async def test_csrf_field_decoded_to_a_lone_surrogate_is_refused_not_a_500(
+        queue: Queue) -> None:
+    """Starlette decodes a multipart form's fields in the charset its Content-Type names:
+    `+2AA-` in UTF-7 is a lone surrogate, which str.encode refuses. The field's shape is
+    checked first (_security.py, TOKEN_SHAPE), so it is a 403 like any other forged field."""
+    job_id = await queue.enqueue("t.a", {})
+    boundary = "asyncjobq-boundary"
+    body = (f"--{boundary}\r\n"
+            'Content-Disposition: form-data; name="csrf_token"\r\n'
+            "Content-Type: text/plain; charset=utf-7\r\n\r\n"
+            f"+2AA-\r\n--{boundary}--\r\n").encode()
+    async with client(create_app(queue)) as c:
+        good = token_in((await c.get("/")).text)
+        r = await c.post(f"/jobs/{job_id}/cancel", content=body, headers={
+            "content-type": f"multipart/form-data; charset=utf-7; boundary={boundary}",
+            "cookie": f"asyncjobq_csrf={good}"})
+        assert r.status_code == 403, r.text[:300]
+        assert "CSRF token does not match" in r.text
+    assert (await queue.get(job_id)).status == "queued"  # type: ignore[union-attr]
+
+
 async def test_read_only_has_no_action_routes(queue: Queue) -> None:
     failed = await failed_job(queue)
     queued = await queue.enqueue("t.a", {})

@@ -143,7 +143,10 @@ class Csrf:
         cookie = request.cookies.get(COOKIE)
         if not isinstance(form_token, str) or cookie is None:
             return "the form's CSRF token or its cookie is missing: reload the page"
-        if not (hmac.compare_digest(cookie.encode(), form_token.encode())
-                and self.valid(cookie)):
+        # The field's shape first, as valid() checks the cookie's: a multipart form may name
+        # a charset (UTF-7) that decodes the field into a lone surrogate, which encode()
+        # refuses with UnicodeEncodeError, a 500 instead of this refusal.
+        if not (TOKEN_SHAPE.fullmatch(form_token) is not None and self.valid(cookie)
+                and hmac.compare_digest(cookie.encode(), form_token.encode())):
             return "the form's CSRF token does not match: reload the page and try again"
         return None
