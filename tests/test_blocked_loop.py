@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
@@ -20,6 +22,9 @@ from conftest import running, wait_for
 from psycopg import sql
 
 from asyncjobq import Job, Queue, Worker, metrics
+from asyncjobq._db.database import Database
+from asyncjobq._worker import heartbeat
+from asyncjobq._worker.heartbeat import Heartbeat
 
 
 @asynccontextmanager
@@ -223,3 +228,111 @@ async def test_a_blocked_loop_is_blamed_on_the_code_blocking_it(
     assert "in slow_publish (called from _maintenance/sampler.py:" in warning, warning
     assert "handler" not in warning and "report it" in warning
     assert w.heartbeat is not None and w.heartbeat.stalls == 0
+
+
+def a_heartbeat(lease: float = 3.0, **kw: Any) -> Heartbeat:
+    """A Heartbeat that never reaches a database: nothing is held, so no beat connects."""
+    return Heartbeat(cast(Database, None), "w", lease=lease, held=list, running_tasks=list,
+                     on_lost=lambda _: None, **kw)
+
+
+@pytest.mark.parametrize("filename", ["", "<string>", "<frozen importlib._bootstrap>",
+                                      "rel.py", "a/b/c.py", "/"])
+def test_short_names_any_filename(filename: str) -> None:
+    assert isinstance(heartbeat._short(filename), str)
+    assert heartbeat._short("/x/y/z.py") == os.path.join("y", "z.py")
+
+
+def test_blocker_names_code_compiled_without_a_filename(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # compile(src, "", "exec") gives frames whose filename is "": Path("").parts is empty.
+    stop = threading.Event()
+    code = compile("while not stop.is_set():\n    time.sleep(0.01)\n", "", "exec")
+    thread = threading.Thread(target=exec, args=(code, {"stop": stop, "time": time}))
+    thread.start()
+    try:
+        hb = a_heartbeat()
+        hb._loop_thread = thread.ident
+        where, advice = hb._blocker()
+        assert where.startswith("code running on the loop at "), where
+        assert "'':2 in <module>" in where, where
+        assert "asyncio.to_thread" in advice
+        # Whatever fails while locating the code, _blocker answers (its caller is the
+        # heartbeat thread's every pass) and says why at DEBUG.
+        caplog.set_level(logging.DEBUG, logger="asyncjobq.heartbeat")
+
+        def broken(stack: object) -> str:
+            raise RuntimeError("asyncjobq_never")
+
+        monkeypatch.setattr(heartbeat, "_frames", broken)
+        assert hb._blocker() == ("code that could not be located", "")
+        assert any(r.levelno == logging.DEBUG and r.exc_info for r in caplog.records
+                   if r.name == "asyncjobq.heartbeat")
+    finally:
+        stop.set()
+        thread.join()
+
+
+async def test_a_failing_watcher_neither_spins_nor_stops_the_beats(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    hb = a_heartbeat(lease=0.3)  # a beat due every 0.1 s: its time passes at once
+    passes: list[str] = []
+
+    def broken_watch() -> None:
+        passes.append("watch_loop")
+        raise RuntimeError("a bug in a watcher")
+
+    def beat(conn: object) -> None:
+        passes.append("beat")
+
+    monkeypatch.setattr(hb, "_watch_loop", broken_watch)
+    monkeypatch.setattr(hb, "_watch_lease", lambda: passes.append("watch_lease"))
+    monkeypatch.setattr(hb, "_beat", beat)
+    hb.start()
+    try:
+        await asyncio.sleep(1.0)
+    finally:
+        hb.stop()
+    # A pass each TICK at most (0.1 s): before, a pass that raised came round again at once.
+    assert passes.count("watch_loop") <= 1.0 / heartbeat.TICK + 3, len(passes)
+    assert passes.count("watch_lease") >= 5 and passes.count("beat") >= 5, passes
+    assert hb.failures == 0
+
+
+async def test_a_loop_blocked_by_code_without_a_filename_keeps_beating(
+        queue: Queue, caplog: pytest.LogCaptureFixture) -> None:
+    """Code compiled with filename "" blocks the loop for less than a lease: the warning
+    names it, and the beats go on past the warning (before, naming it raised on every pass of
+    the heartbeat thread, which then beat no more)."""
+    caplog.set_level(logging.WARNING, logger="asyncjobq")
+    lease = 4.0  # warned after 1 s (heartbeat.py _watch_loop), a beat every 1.33 s
+    samples: list[tuple[int, int]] = []  # (beats, blocked_warnings) while blocked
+    code = compile("start = time.monotonic()\n"
+                   "while time.monotonic() - start < 3.0:\n"
+                   "    samples.append((hb.beats, hb.blocked_warnings))\n"
+                   "    time.sleep(0.02)\n", "", "exec")
+
+    @queue.task(name="anonymous_block")
+    async def anonymous_block(job: Job) -> None:
+        exec(code, {"time": time, "samples": samples, "hb": w.heartbeat})  # blocks the loop
+
+    job_id = await anonymous_block.enqueue({})
+    w = Worker(queue, lease=lease, poll_interval=0.1, reap_interval=0.2)
+
+    async def done() -> bool:
+        info = await queue.get(job_id)
+        return info is not None and info.status == "done"
+
+    async with running(w):
+        await wait_for(done, timeout=20, what="the job done")
+    assert w.heartbeat is not None
+    assert w.heartbeat.failures == 0
+    assert w.heartbeat.blocked_warnings == 1 and w.heartbeat.stalls == 0
+    warned = [beats for beats, warnings in samples if warnings == 1]
+    assert warned and warned[-1] > warned[0], f"no beat after the warning: {samples[-1]}"
+    info = await queue.get(job_id)
+    assert info is not None and info.attempts == 1
+    (warning,) = records(caplog, logging.WARNING, "event loop blocked")
+    assert re.search(r"a job's handler at '':[34] in <module> \(called from ", warning), warning
+    assert "tests/test_blocked_loop.py:" in warning and "in anonymous_block" in warning
+    assert not records(caplog, logging.WARNING, "heartbeat failed")

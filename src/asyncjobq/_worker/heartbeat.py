@@ -72,6 +72,7 @@ class Heartbeat:
         # Not moved while the loop is stalled: the cut-off (_watch_lease) must then fire.
         self._last_ok = time.monotonic()
         self._errors_seen: set[str] = set()
+        self._watch_errors_seen: set[str] = set()
         self._warned = False  # for the current block of the loop
         # The last tick before the loop stalled (blocked for a lease); None while it is not.
         self._stalled_from: float | None = None
@@ -113,14 +114,19 @@ class Heartbeat:
     def _run(self) -> None:
         conn: psycopg.Connection[tuple[object, ...]] | None = None
         next_beat = time.monotonic() + self.interval
+        pause = 0.0  # after a pass that raised: next_beat may be past, and wait(0) would spin
         try:
-            while not self._stop.wait(min(TICK, max(0.0, next_beat - time.monotonic()))):
+            while not self._stop.wait(
+                    max(pause, min(TICK, max(0.0, next_beat - time.monotonic())))):
+                pause = 0.0
                 # Nothing may end this thread but stop(): a worker that kept claiming without
                 # heartbeats would have every long job reaped and run twice.
                 try:
                     was_stalled = self.stalled
-                    self._watch_loop()
-                    self._watch_lease()
+                    # Each watcher on its own: a bug in one (a frame _blocker could not name
+                    # raised on every pass) must not skip the other, nor the beat below.
+                    self._watching(self._watch_loop)
+                    self._watching(self._watch_lease)
                     if self.stalled:
                         next_beat = time.monotonic() + self.interval  # not a busy wait meanwhile
                         continue
@@ -134,8 +140,20 @@ class Heartbeat:
                     self._failed(e)
                     _close(conn)
                     conn = None
+                    pause = TICK
         finally:
             _close(conn)
+
+    def _watching(self, watch: Callable[[], None]) -> None:
+        try:
+            watch()
+        except Exception as e:  # a bug here; the beats go on regardless
+            kind = type(e).__name__
+            level = logging.DEBUG if kind in self._watch_errors_seen else logging.ERROR
+            self._watch_errors_seen.add(kind)
+            log.log(level, "heartbeat thread: %s failed (%s); heartbeats continue. This is a "
+                    "bug in asyncjobq: please report it with this message.",
+                    getattr(watch, "__name__", watch), reason(e), exc_info=True)
 
     def _watch_loop(self) -> None:
         # A lag under a lease leaves every lease intact (a beat lands every interval, and the
@@ -179,7 +197,17 @@ class Heartbeat:
         return ", ".join(sorted(set(self._running_tasks()))) or "none"
 
     def _blocker(self) -> tuple[str, str]:
-        """Whose code holds the loop's thread, where (innermost frames first), and what to do."""
+        """Whose code holds the loop's thread, where (innermost frames first), and what to do.
+
+        Never raises: it runs on every pass of the heartbeat thread while the loop is blocked,
+        and the frames it reads are anyone's code (any filename, any shape)."""
+        try:
+            return self._locate()
+        except Exception:
+            log.debug("could not name the code blocking the event loop", exc_info=True)
+            return "code that could not be located", ""
+
+    def _locate(self) -> tuple[str, str]:
         frame = sys._current_frames().get(self._loop_thread or -1)
         if frame is None:
             return "code that could not be located", ""
@@ -306,7 +334,10 @@ def _frames(stack: traceback.StackSummary | list[traceback.FrameSummary]) -> str
 
 
 def _short(filename: str) -> str:
-    return os.path.join(*Path(filename).parts[-2:])
+    """The file's directory and name: 'dir/file.py'. Any filename, as compile() accepts any:
+    "" (whose parts are none), "<string>", "<frozen ...>", relative ones."""
+    parts = Path(filename).parts[-2:]
+    return os.path.join(*parts) if parts else f"{filename!r}"
 
 
 def _close(conn: psycopg.Connection[tuple[object, ...]] | None) -> None:
