@@ -155,3 +155,50 @@ def test_zones_without_changes_tick_at_their_fixed_offset() -> None:
         one = timedelta(days=1)
         assert list(walk(clock, day - one - SECOND, day + one)) == [
             day - one, day, day + one], names[0]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("expression", "zone", "tick"), [
+    # Every match in a spring-forward gap: 02:30 on the last Sunday of March in Paris, on the
+    # second Sunday of March in New York. Each runs at the instant the offset before the jump
+    # gives it; its instant waited for a wall time that exists after it, which never came, and
+    # each walk stepped year by year to 9999 (seconds a call, the leader's turn cut off).
+    ("30 2 * 3 0L", "Europe/Paris", datetime(2027, 3, 28, 1, 30, tzinfo=UTC)),
+    ("30 2 * 3 0#2", "America/New_York", datetime(2027, 3, 14, 7, 30, tzinfo=UTC)),
+    ("* 30 2 * 3 0L", "Europe/Paris", datetime(2027, 3, 28, 1, 30, tzinfo=UTC)),
+])
+def test_an_expression_matching_only_in_gaps_ticks_without_walking_the_years(
+        expression: str, zone: str, tick: datetime, monkeypatch: pytest.MonkeyPatch) -> None:
+    walked = count_walls(monkeypatch)
+    clock = cron_clock(expression, ZoneInfo(zone))
+    assert clock.next_after(datetime(2026, 6, 1, tzinfo=UTC)) == tick
+    ticks, more = clock.latest(datetime(2026, 6, 1, tzinfo=UTC), tick, 1)
+    assert (ticks, more) == ([tick], False)
+    assert walked[0] < 2_000
+
+
+@pytest.mark.parametrize("minutes_before", [170, 59, 30, 1])
+def test_a_per_second_tick_before_a_fall_back_walks_a_few_wall_times(
+        minutes_before: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hour a fall-back repeats: the next tick must not walk that hour's 3,600 wall times
+    (a leader with many per-second schedules turned for seconds then)."""
+    walked = count_walls(monkeypatch)
+    clock = cron_clock("* * * * * *", ZoneInfo("Europe/Paris"))
+    change = datetime(2026, 10, 25, 1, tzinfo=UTC)
+    t = change - timedelta(minutes=minutes_before)
+    assert clock.next_after(t) == t + SECOND
+    assert walked[0] <= 10
+
+
+def count_walls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the wall times every walk steps (Cron._walls)."""
+    walked = [0]
+    walls = Cron._walls
+
+    def counting(self: Cron, after: datetime) -> Iterator[datetime]:
+        for wall in walls(self, after):
+            walked[0] += 1
+            yield wall
+
+    monkeypatch.setattr(Cron, "_walls", counting)
+    return walked

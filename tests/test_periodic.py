@@ -11,12 +11,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
+import anyio.to_thread
 import psycopg
 import pytest
 from conftest import ROOT, execute, fetchval, run_cli, running, spawn_worker, wait_for
@@ -194,6 +196,28 @@ async def test_a_takeover_inside_two_long_leases_enqueues_every_missed_tick(
     times = await job_times(queue, "tick")
     expected = [t + timedelta(seconds=i) for i in range(1, 3 + 150 + 3)]  # + 2 s ahead
     assert times == expected
+
+
+async def test_handlers_holding_every_default_thread_do_not_starve_the_scheduler(
+        queue: Queue) -> None:
+    """The turn computes in a thread: with anyio's default limiter (40 threads) all taken by
+    plain-def work, it waited for a token until its timeout, and no tick was enqueued."""
+    queue.task(name="tick")(noop)
+    queue.periodic("tick", every=1, name="each-second")
+    sched = scheduler(queue)
+    t = utc(2026, 6, 1, 12)
+    await sched.turn(now=t)
+    release = threading.Event()
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    blockers = [asyncio.create_task(anyio.to_thread.run_sync(release.wait))
+                for _ in range(int(limiter.total_tokens))]
+    try:
+        await wait_for(lambda: limiter.borrowed_tokens == limiter.total_tokens, timeout=10,
+                       what="every default thread taken")
+        assert await asyncio.wait_for(sched.turn(now=t + timedelta(seconds=1)), 10) > 0
+    finally:
+        release.set()
+        await asyncio.gather(*blockers)
 
 
 # --- the database's guard -------------------------------------------------------------------

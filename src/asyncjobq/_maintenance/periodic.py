@@ -54,7 +54,7 @@ MIN_EVERY = 1.0
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
 _SECOND = timedelta(seconds=1)
-# Where a cron walk looks for the zone's other offsets near its start (Cron._first_wall). Real
+# Where a cron walk looks for the zone's other offsets near its start (Cron._early). Real
 # time: a fall-back ahead, which no zone makes larger than an hour (3 allows for odd rules).
 # Wall mode: a spring-forward behind, at most a day (Samoa skipped one in 2011).
 _AHEAD_PROBES = tuple(timedelta(hours=h) for h in (0, 1, 2, 3))
@@ -64,6 +64,9 @@ _BEHIND_PROBES = tuple(timedelta(hours=-h) for h in (0, 1, 2, 3, 6, 12, 24))
 # Far above any real walk: the wall times a walk skips before its start are at most the few
 # hours of a DST change of a per-second expression (7,200 at 2 hours).
 MAX_WALK = 100_000
+# No zone's UTC offset exceeds +14:00 (Kiribati): a wall time is never more than this ahead of
+# its instant.
+_MAX_OFFSET = timedelta(hours=15)
 # latest() walks forward from this far before its end, then 4, 16, ... times as far.
 _FIRST_SPAN = timedelta(minutes=1)
 
@@ -147,24 +150,6 @@ class Cron(Clock):
         second = wall.replace(tzinfo=self.tz, fold=1).astimezone(UTC)
         return ([first, second] if second != first else [first]), True
 
-    def _first_wall(self, t: datetime) -> datetime:
-        """A wall time early enough that no wall time before it runs after `t`.
-
-        In real time, a fall-back just ahead of `t` maps wall times already passed at `t` to
-        later instants (their second occurrence, through the lower offset ahead); in wall
-        mode, a spring-forward just behind `t` maps wall times of its gap to instants after
-        the jump (through the lower offset behind). Starting from the lowest offset near `t`
-        walks those wall times too; the instants at or before `t` are then dropped.
-        """
-        sign = -1 if self.wall else 1
-        here = low = self._offset(t)
-        for probe in _BEHIND_PROBES if self.wall else _AHEAD_PROBES:
-            o = self._offset(t + probe)
-            # Only a change within its own size of `t` maps a wall time before `t` after it.
-            if o < low and self._offset(t + sign * (here - o)) == o:
-                low = o
-        return (t + low).replace(tzinfo=None) - _SECOND
-
     def _offset(self, t: datetime) -> timedelta:
         offset = t.astimezone(self.tz).utcoffset()
         assert offset is not None  # a ZoneInfo always has one
@@ -172,12 +157,23 @@ class Cron(Clock):
 
     def forward(self, t: datetime) -> Iterator[datetime]:
         t = t.astimezone(UTC)
+        here = self._offset(t)
+        # Two sorted streams: the wall times from t's own on, and those before it that a DST
+        # change next to t maps after t. Each yields lazily, so a tick costs a step or two.
         last = t
+        for x in heapq.merge(self._walk(t, (t + here).replace(tzinfo=None) - _SECOND),
+                             self._early(t, here)):
+            if x > last:
+                last = x
+                yield x
+
+    def _walk(self, t: datetime, start: datetime) -> Iterator[datetime]:
+        """The instants after `t` of the wall times after `start`, in order."""
         # Instants found but not yet safe to yield: a later wall time may map earlier (the
         # second occurrence of a repeated wall time, a wall time in a gap).
         pending: list[datetime] = []
         walked = 0
-        for wall in self._walls(self._first_wall(t)):
+        for wall in self._walls(start):
             walked += 1
             if walked > MAX_WALK:
                 raise ConfigurationError(
@@ -186,23 +182,62 @@ class Cron(Clock):
                     "timezone (and report it: no real schedule should do this)")
             instants, exists = self._instants(wall)
             for x in instants:
-                if x > last:
+                if x > t:
                     heapq.heappush(pending, x)
-            if not exists or not instants:
-                continue
             # An existing wall time's first instant bounds every later wall time's instants
-            # from below (fold=0 is increasing over the wall times that exist).
-            while pending and pending[0] <= instants[0]:
-                x = heapq.heappop(pending)
-                if x > last:
-                    last = x
-                    walked = 0
-                    yield x
+            # from below (fold=0 is increasing over the wall times that exist); so does any
+            # wall time less the largest UTC offset (an expression that matches only in gaps
+            # has no existing wall time to release them).
+            bound = wall.replace(tzinfo=UTC) - _MAX_OFFSET
+            if exists and instants:
+                bound = max(bound, instants[0])
+            while pending and pending[0] <= bound:
+                walked = 0
+                yield heapq.heappop(pending)
         while pending:  # cronsim found no match for 50 years
-            x = heapq.heappop(pending)
-            if x > last:
-                last = x
-                yield x
+            yield heapq.heappop(pending)
+
+    def _early(self, t: datetime, here: timedelta) -> Iterator[datetime]:
+        """The instants after `t` of wall times before t's own, in order: none unless a DST
+        change lies next to `t`.
+
+        In real time, a fall-back just ahead maps the wall times it repeats, passed already at
+        `t`, to their second occurrence after it; in wall mode, a spring-forward just behind
+        maps the wall times of its gap to instants after the jump (the offset from before
+        it). Those wall times are walked from the first of them to t's own, and their
+        instants after `t` are increasing.
+        """
+        sign = -1 if self.wall else 1
+        low = here
+        for probe in _BEHIND_PROBES if self.wall else _AHEAD_PROBES:
+            o = self._offset(t + probe)
+            # Only a change within its own size of `t` maps a wall time before `t` after it.
+            if o < low and self._offset(t + sign * (here - o)) == o:
+                low = o
+        if low == here:
+            return
+        # Real time: the repeated wall times start where the change maps (its instant, in
+        # the lower offset); wall mode: gap wall times after t's, in the offset before it.
+        first = t + low if self.wall else self._change(t, t + (here - low)) + low
+        end = (t + here).replace(tzinfo=None)
+        for wall in self._walls(first.replace(tzinfo=None) - _SECOND):
+            if wall >= end:
+                return
+            for x in self._instants(wall)[0]:
+                if x > t:
+                    yield x
+
+    def _change(self, lo: datetime, hi: datetime) -> datetime:
+        """The first instant, to the second, after `lo` whose offset is not lo's (one lies in
+        (lo, hi])."""
+        before = self._offset(lo)
+        while hi - lo > _SECOND:
+            mid = lo + _SECOND * ((hi - lo) // _SECOND // 2)
+            if self._offset(mid) == before:
+                lo = mid
+            else:
+                hi = mid
+        return hi
 
     def latest(self, after: datetime, until: datetime, n: int) -> tuple[list[datetime], bool]:
         # Forward walks only (a backward walk through a DST change is what can loop), over a

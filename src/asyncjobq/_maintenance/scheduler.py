@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
+import anyio
 import anyio.to_thread
 import psycopg
 
@@ -80,6 +81,7 @@ class Scheduler(Service):
         # database said, so it never decides anything on its own.
         self._next: dict[str, tuple[datetime, datetime | None]] = {}
         self._pruned_at = 0.0
+        self._limiter: anyio.CapacityLimiter | None = None  # made on the loop, in turn()
         # Schedules that failed, with what was logged: logged again only when it changes.
         self._failing: dict[str, str] = {}
         self.enqueued = 0
@@ -100,8 +102,12 @@ class Scheduler(Service):
         if now is None:
             now = server_now
         # In a thread: the event loop's claims and heartbeats never wait for tick arithmetic,
-        # however many schedules there are (periodic.py also bounds every walk).
-        ticks, went_back = await anyio.to_thread.run_sync(self._compute, latest, now)
+        # however many schedules there are (periodic.py also bounds every walk). A limiter of
+        # its own: handlers holding every token of anyio's default one must not starve it.
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        ticks, went_back = await anyio.to_thread.run_sync(self._compute, latest, now,
+                                                          limiter=self._limiter)
         computed = time.perf_counter()
         if went_back:
             await self._restart_from(went_back, latest, now)
