@@ -2,7 +2,9 @@
 
 A thread cannot be interrupted: a sync handler past its timeout, or one the worker cancels, runs
 on until it returns. The executor waits for it, so the job keeps its slot and its lease and no
-other attempt of it starts meanwhile (executor.py). These threads are daemons so that a worker
+other attempt of it starts meanwhile (executor.py), as long as the worker's event loop runs: a
+loop blocked for a whole lease stops the heartbeats (heartbeat.py), and the fleet may then
+start the job again while its thread still runs here. These threads are daemons so that a worker
 that was asked to stop can still exit after its shutdown_timeout: a body that never returns
 dies with the process, and its job, still `running` in the table, is reaped after the lease.
 anyio's and asyncio's pool threads are joined at interpreter exit, which would hang instead.
