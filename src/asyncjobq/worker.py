@@ -33,10 +33,11 @@ from ._maintenance.scheduler import Scheduler
 from ._maintenance.services import Service, ServiceRunner
 from ._maintenance.vacuum import HotTableVacuum
 from ._worker.completer import Completer
-from ._worker.executor import RunningJob, execute, finished, refused
+from ._worker.executor import RunningJob, execute, finished
 from ._worker.fetcher import Fetcher
 from ._worker.heartbeat import Heartbeat
 from ._worker.listener import Listener
+from ._worker.misplaced import Mover
 from ._worker.outcome import Outcome
 from ._worker.threads import ThreadRunner
 from .errors import ConfigurationError, reason
@@ -184,8 +185,10 @@ class Worker:
         self._let_go: dict[tuple[int, int], float] = {}
         self._none_running: anyio.Event | None = None
         # Limited tasks declared on queues this worker does not serve: it claims without their
-        # limits, so a job of theirs it claims must not run (set in run()).
+        # limits, so a job of theirs it claims is moved to the task's queue, not run (set in
+        # run(); misplaced.py).
         self._refused: frozenset[str] = frozenset()
+        self._mover: Mover | None = None
         # Events need a running loop; they are made in run(). stop() may come earlier.
         self._stop_requested = False
         self._stop: anyio.Event | None = None
@@ -213,6 +216,12 @@ class Worker:
             self._stop.set()
         if self.fetcher is not None:
             self.fetcher.stop()
+
+    @property
+    def moved(self) -> int:
+        """Jobs of limited tasks this worker claimed from a queue other than their task's and
+        moved there unrun (their task's workers apply its limits; misplaced.py)."""
+        return self._mover.moved if self._mover is not None else 0
 
     @property
     def running_jobs(self) -> list[Job]:
@@ -255,11 +264,12 @@ class Worker:
             # Only the limits of tasks declared on this worker's queues: any limit sent makes
             # every claim the slower limited one (docs/guides/flow-control.md), and a limited
             # task's jobs are in its own queue (Queue.enqueue refuses any other; one written
-            # there from SQL is refused unrun, see _execute).
+            # elsewhere, from SQL or the CLI, is moved there unrun, see _execute).
             limits={t.name: lim for t in self.queue.tasks.values()
                     if t.queue in self.queues and (lim := t.limits) is not None})
         self._refused = frozenset(t.name for t in self.queue.tasks.values()
                                   if t.queue not in self.queues and t.limits is not None)
+        self._mover = Mover(db, self.id)
         completer = self.completer = Completer(
             db, self.id, max_batch=self.batch_size, flush_interval=self.flush_interval,
             on_written=self._written, fetcher=fetcher,
@@ -413,14 +423,18 @@ class Worker:
         assert self.completer is not None and self.fetcher is not None
         outcome: Outcome | None = None
         hooks = self.queue.hooks if self.queue.hooks.active else None
+        misplaced = job.task in self._refused
         try:
-            if job.task in self._refused:
-                outcome = refused(job, self.queue.tasks[job.task])
+            if misplaced:
+                # Not an attempt: moved to its task's queue, uncounted, without an outcome to
+                # write, an on_started or an on_finished (its attempt there reports those).
+                assert self._mover is not None
+                await self._mover.move(job, self.queue.tasks[job.task])
             else:
                 outcome = await execute(running, self.queue.tasks.get(job.task),
                                         self.queue.tasks, self._threads, hooks)
         finally:
-            if hooks is not None and hooks.on_finished:
+            if hooks is not None and hooks.on_finished and not misplaced:
                 hooks.spawn("on_finished", job=job, outcome=finished(outcome, running),
                             duration=time.monotonic() - running.started)
             self._running.pop((job.id, job.attempt), None)

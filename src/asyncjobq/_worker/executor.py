@@ -188,17 +188,6 @@ async def execute(
     return outcome
 
 
-def refused(job: Job, task: Task) -> Outcome:
-    """A job of a limited task claimed where its limits are not applied (Task.refuses):
-    failed at once, its handler not called."""
-    why = task.refuses(job.queue)
-    log.warning("job %s: %s; failed without running", job.id, why)
-    return Outcome(job.id, job.attempt, task=job.task, kind="failed", error=(
-        f"attempt {job.attempt}: {why}; this job (written there from SQL, or by a producer "
-        f"that does not register the task) failed without running: enqueue it into "
-        f"{task.queue!r}"))
-
-
 async def _attempt(
     running: RunningJob, task: Task | None, registered: Iterable[str], runner: ThreadRunner,
     hooks: Hooks | None,

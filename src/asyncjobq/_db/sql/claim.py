@@ -410,6 +410,27 @@ class WorkerStatements(Role):
             self.schema,
         )
 
+    @property
+    def job_move_to_task_queue(self) -> sql.Composed:
+        # A job of a limited task claimed by a worker that does not apply the task's limits
+        # (it serves the queue the job was written into, not the task's; misplaced.py): back
+        # to queued in the task's own queue, run_at kept, the attempt uncounted since no
+        # handler ran (the claim added it). Fenced as outcomes are, on (status, locked_by,
+        # attempts): a job reaped and claimed again meanwhile is left to its newer attempt.
+        # Wakes the target queue's workers with the job's run_at, as an insert's trigger does.
+        return _q(
+            "WITH moved AS ("
+            " UPDATE {s}.jobs SET status = 'queued', queue = %(queue)s,"
+            "   attempts = greatest(attempts - 1, 0), locked_by = NULL, locked_at = NULL"
+            " WHERE id = %(id)s AND status = 'running' AND locked_by = %(worker)s"
+            "   AND attempts = %(attempt)s"
+            " RETURNING id, queue, run_at)"
+            " SELECT id, (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
+            "   'queue', queue, 'run_at', extract(epoch FROM run_at))::text) FROM moved) n)"
+            " FROM moved",
+            self.schema,
+        )
+
     @staticmethod
     def _worker_plan_settings(is_local: bool) -> sql.Composed:
         # A generic plan is kept until the table's statistics change. Made while ANALYZE
