@@ -187,12 +187,7 @@ async def test_a_loop_blocked_for_less_than_a_lease_keeps_its_jobs(
     job_id = await brief_block.enqueue({})
     w = Worker(queue, lease=lease, poll_interval=0.1, reap_interval=0.2)
 
-    async def done() -> bool:
-        info = await queue.get(job_id)
-        return info is not None and info.status == "done"
-
-    async with running(w):
-        await wait_for(done, timeout=20, what="the job done")
+    await run_until_done(queue, w, job_id)
     assert beats[1] > beats[0], "no heartbeat while the loop was blocked"
     info = await queue.get(job_id)
     assert info is not None and info.attempts == 1
@@ -319,12 +314,7 @@ async def test_a_loop_blocked_by_code_without_a_filename_keeps_beating(
     job_id = await anonymous_block.enqueue({})
     w = Worker(queue, lease=lease, poll_interval=0.1, reap_interval=0.2)
 
-    async def done() -> bool:
-        info = await queue.get(job_id)
-        return info is not None and info.status == "done"
-
-    async with running(w):
-        await wait_for(done, timeout=20, what="the job done")
+    await run_until_done(queue, w, job_id)
     assert w.heartbeat is not None
     assert w.heartbeat.failures == 0
     assert w.heartbeat.blocked_warnings == 1 and w.heartbeat.stalls == 0
@@ -336,3 +326,14 @@ async def test_a_loop_blocked_by_code_without_a_filename_keeps_beating(
     assert re.search(r"a job's handler at '':[34] in <module> \(called from ", warning), warning
     assert "tests/test_blocked_loop.py:" in warning and "in anonymous_block" in warning
     assert not records(caplog, logging.WARNING, "heartbeat failed")
+
+
+async def run_until_done(queue: Queue, w: Worker, job_id: int) -> None:
+    """Run `w` until the job is done, then stop it."""
+
+    async def done() -> bool:
+        info = await queue.get(job_id)
+        return info is not None and info.status == "done"
+
+    async with running(w):
+        await wait_for(done, timeout=20, what="the job done")
