@@ -47,6 +47,22 @@ HELD_RETRY = 0.1
 RATE_RETRY = 0.02
 
 
+class _Doubling:
+    """A wait that starts at `first` and doubles each time it is taken, up to `cap`, until
+    reset: held-back claims retried while a limit stays full."""
+
+    def __init__(self, first: float, cap: float) -> None:
+        self._first = self._now = min(first, cap)
+        self._cap = cap
+
+    def next(self) -> float:
+        wait, self._now = self._now, min(self._cap, 2 * self._now)
+        return wait
+
+    def reset(self) -> None:
+        self._now = self._first
+
+
 class Wakeup:
     """A resettable event with alarm times: every due time it was told of wakes it once."""
 
@@ -138,8 +154,8 @@ class Fetcher:
         # While claims come back with nothing because a limit holds their rows back, they
         # are retried after this long, doubling up to poll_interval: a limit that stays full
         # costs a claim a poll_interval.
-        self._held_retry = HELD_RETRY
-        self._rate_retry = RATE_RETRY
+        self._held_retry = _Doubling(HELD_RETRY, poll_interval)
+        self._rate_retry = _Doubling(RATE_RETRY, poll_interval)
 
     @property
     def single_queue(self) -> bool:
@@ -186,8 +202,8 @@ class Fetcher:
             for r in rows if r[0] is not None
         ]
         if jobs:
-            self._held_retry = HELD_RETRY
-            self._rate_retry = RATE_RETRY
+            self._held_retry.reset()
+            self._rate_retry.reset()
         for r in rows:
             if r[0] is None:  # a limited claim held r[4] rows back (sql/claim.py)
                 self._held_back_until(r[4], r[5])
@@ -201,11 +217,9 @@ class Fetcher:
         # when a job ends, which only its worker's own next claim sees at once.
         self.held_back += held
         if wait_ms is not None:
-            delay = max(wait_ms / 1000, self._rate_retry)
-            self._rate_retry = min(self._poll_interval, 2 * self._rate_retry)
+            delay = max(wait_ms / 1000, self._rate_retry.next())
         else:
-            delay = min(self._poll_interval, self._held_retry)
-            self._held_retry = min(self._poll_interval, 2 * self._held_retry)
+            delay = self._held_retry.next()
         self.wakeup.at(time.monotonic() + delay)
 
     def _statement(self, one_queue: sql.Composed, many_queues: sql.Composed) -> sql.Composed:
