@@ -419,6 +419,7 @@ class Worker:
         running.task = asyncio.create_task(self._execute(running), name=f"asyncjobq job {job.id}")
 
     async def _execute(self, running: RunningJob) -> None:
+        running.begun = True
         job = running.job
         assert self.completer is not None and self.fetcher is not None
         outcome: Outcome | None = None

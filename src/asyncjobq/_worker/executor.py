@@ -34,16 +34,21 @@ class RunningJob:
     interrupted: bool = False
     # Set when a sync body ran to its end while the worker's shutdown waited for it.
     ran_to_end: bool = False
+    # Set by the task's first step. A task cancelled before it is thrown the cancellation
+    # before any of its code runs: no `finally` would free the job's slot, and the heartbeat
+    # would renew a job nobody runs for ever. Until then, cancel() only records the reason,
+    # which execute() reads first.
+    begun: bool = False
 
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
             self.cancel_reason = reason
-        if self.task is not None:
+        if self.task is not None and self.begun:
             self.task.cancel(reason)
 
     def abandon(self) -> None:
         self.abandoned = True
-        if self.task is not None:
+        if self.task is not None and self.begun:
             self.task.cancel("worker torn down")
 
 
@@ -180,12 +185,31 @@ async def execute(
     hooks: Hooks | None = None,
 ) -> Outcome | None:
     """Run the handler. Returns None only when the lease was lost (nothing may be written)."""
+    if running.cancel_reason is not None or running.abandoned:
+        return _unstarted(running)
     outcome = await _attempt(running, task, registered, runner, hooks)
     # Whatever a handler made of that cancellation (a Fail, a Retry, an error of its own, a
     # return), another attempt of the job may hold its row now: nothing of this one is written.
     if running.cancel_reason == "lease lost":
         return None
     return outcome
+
+
+def _unstarted(running: RunningJob) -> Outcome | None:
+    """The outcome of a job cancelled between its dispatch and its task's first step: its
+    handler never ran. Let go for a lost lease, or torn down, nothing is written (the reaper
+    takes it); stopped, it is released as interrupted."""
+    if running.abandoned or running.cancel_reason == "lease lost":
+        return None
+    return _released(running)
+
+
+def _released(running: RunningJob) -> Outcome:
+    """Interrupted by the worker (stopped): back to queued at once, its run not judged."""
+    job = running.job
+    running.interrupted = True
+    return Outcome(job.id, job.attempt, task=job.task, kind="retry", delay=0.0, error=(
+        f"attempt {job.attempt}: interrupted by worker {running.cancel_reason}"))
 
 
 async def _attempt(
@@ -258,9 +282,7 @@ async def _attempt(
             timed_out = deadline is not None and deadline.expired()
             interrupted = not timed_out and not running.ran_to_end
     if interrupted:
-        running.interrupted = True
-        return Outcome(job.id, job.attempt, task=job.task, kind="retry", delay=0.0, error=(
-            f"attempt {job.attempt}: interrupted by worker {running.cancel_reason}"))
+        return _released(running)
     if timed_out:
         log.warning("job %s (%s) attempt %s timed out after %s s", job.id, job.task, job.attempt,
                     task.timeout)
