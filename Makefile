@@ -16,8 +16,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m asyncjobq demo
 
+# The suite on TEST_WORKERS processes at once (pytest-xdist; conftest.py gives each a server
+# of its own). Most tests wait on timers and the database, so more processes than cores pay.
+TEST_WORKERS ?= 4
+
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples docs

@@ -1,4 +1,4 @@
-"""Real PostgreSQL for every test: $ASYNCJOBQ_TEST_DSN, else an embedded pgserver (PG 16).
+"""Real PostgreSQL for every test (the session's server: ../conftest.py, pg_dsn).
 
 Each test gets its own schema, dropped afterwards. Conditions are awaited with a timeout.
 """
@@ -25,23 +25,6 @@ from asyncjobq import Queue, Worker
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-
-
-def _start_embedded(path: Path) -> Any:
-    from asyncjobq._db.embedded import start_pgserver
-
-    return start_pgserver(path, cleanup_mode="delete")
-
-
-@pytest.fixture(scope="session")
-def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    dsn = os.environ.get("ASYNCJOBQ_TEST_DSN")
-    if dsn:
-        yield dsn
-        return
-    server = _start_embedded(tmp_path_factory.mktemp("pg") / "data")
-    yield server.get_uri()
-    server.cleanup()
 
 
 @pytest.fixture
@@ -106,12 +89,28 @@ async def execute(q: Queue, query: str, *params: Any) -> None:
         await conn.execute(sql.SQL(query).format(s=sql.Identifier(q.schema)), params)
 
 
+_current: list[pytest.Item] = []
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _current[:] = [item]
+
+
+def _starting_a_process() -> None:
+    """Tests that start processes carry the `processes` mark: the tiers of ../conftest.py
+    keep them out of the second server's pass and, on a shared server, one at a time."""
+    if _current and _current[0].get_closest_marker("processes") is None:
+        raise AssertionError(f"{_current[0].nodeid} starts a process: mark it "
+                             "@pytest.mark.processes")
+
+
 class WorkerProcess(subprocess.Popen[str]):
     """A worker process whose stdout and stderr are read as they are written: a worker whose
     pipe is full blocks on its next log line (a storm of lost connections logs far more than a
     pipe holds), and a test that only kills it at the end never reads the pipe."""
 
     def __init__(self, argv: list[str], **kwargs: Any) -> None:
+        _starting_a_process()
         super().__init__(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          **kwargs)
         self._out: list[str] = []
@@ -150,6 +149,7 @@ def spawn_worker(dsn: str, schema: str, *args: str, app: str = "apps.testapp:que
 
 def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None,
             timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    _starting_a_process()
     full_env = dict(os.environ, PYTHONPATH=str(TESTS), **(env or {}))
     full_env.pop("ASYNCJOBQ_DSN", None)
     if dsn is not None:
@@ -158,25 +158,11 @@ def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = Non
                           capture_output=True, text=True, timeout=timeout, input=input)
 
 
-@pytest.fixture
-def private_server(tmp_path: Path) -> Iterator[Any]:
-    """A PostgreSQL of the test's own, so that the test may restart it."""
-    server = _start_embedded(tmp_path / "restartable")
-    yield server
-    server.cleanup()
-
-
 def restart(server: Any, mode: str) -> None:
     from pgserver._commands import pg_ctl
 
     pg_ctl(["-w", "-m", mode, "restart"], pgdata=server.pgdata, user=server.system_user,
            timeout=60)
-
-
-@pytest.fixture(scope="session")
-def asyncjobq_dsn(pg_dsn: str) -> str:
-    """The plugin's session server (asyncjobq.pytest_plugin) is this suite's own."""
-    return pg_dsn
 
 
 def fed_collector(queue: Queue) -> Any:

@@ -116,4 +116,5 @@ def no_tracebacks(outputs: list[tuple[int, str]]) -> None:
 def backends(*app_names: str) -> Any:
     """SQL selecting the pids of the workers' connections (by application_name)."""
     names = ", ".join(f"'{n}'" for n in app_names)
-    return f"SELECT pid FROM pg_stat_activity WHERE application_name IN ({names})"
+    return ("SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            f" AND application_name IN ({names})")

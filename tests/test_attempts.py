@@ -97,6 +97,7 @@ async def test_sync_bodies_hold_their_slots_so_concurrency_bounds_them(queue: Qu
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 async def test_sigterm_with_a_sync_body_that_will_not_return(queue: Queue, pg_dsn: str) -> None:
     """The worker exits within shutdown_timeout + a few seconds; the job, whose body was still
     running when the process went, is not handed back as queued: the reaper takes it later."""
@@ -459,6 +460,46 @@ async def test_a_cut_off_job_is_left_to_the_reaper_not_released_uncounted(
                              " WHERE id = %s", job_id)
         assert row == "running:1"
         gate.set()
+
+
+@pytest.mark.parametrize("reason", ["lease lost", "shutdown"])
+async def test_a_job_cancelled_before_its_task_starts_frees_its_slot(
+        queue: Queue, reason: str) -> None:
+    """A cancel that lands between a job's dispatch and its task's first step (a loaded loop
+    runs other callbacks first) is thrown into the coroutine before any of its code: the job
+    stayed in the running set for ever, its slot taken and its row renewed by the heartbeat
+    though no handler ran (a CI run under load timed out on it). Now the handler never starts,
+    the slot comes back, and the job goes the way its reason says."""
+    ran: list[int] = []
+
+    @queue.task(name="early", max_attempts=3)
+    async def early(job: Job) -> None:
+        ran.append(job.id)
+
+    job_id = await early.enqueue({})
+    w = Worker(queue, concurrency=1, poll_interval=0.1)
+    dispatch = w._dispatch
+    dispatched: list[int] = []
+
+    def dispatch_then_cancel(job: Job) -> None:
+        dispatch(job)
+        dispatched.append(job.id)
+        w._running[job.id, job.attempt].cancel(reason)  # before the task's first step
+
+    w._dispatch = dispatch_then_cancel  # type: ignore[method-assign]
+    async with running(w):
+        await wait_for(lambda: bool(dispatched), timeout=10, what="the job claimed")
+        await wait_for(lambda: not w._running, timeout=10, what="its slot freed")
+        if reason == "shutdown":
+            # Released uncounted as interrupted, and claimed (and cancelled) again.
+            await wait_for(lambda: fetchval(queue, "SELECT attempts > 1 OR status = 'queued'"
+                                            " FROM {s}.jobs WHERE id = %s", job_id),
+                           timeout=10, what="the job released")
+    assert ran == []
+    if reason == "lease lost":  # nothing written: the reaper takes it, its attempt counted
+        row = await fetchval(queue, "SELECT status || ':' || attempts FROM {s}.jobs"
+                             " WHERE id = %s", job_id)
+        assert row == "running:1"
 
 
 async def test_a_job_whose_claim_reply_is_always_lost_is_not_claimed_for_ever(

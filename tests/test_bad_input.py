@@ -10,6 +10,7 @@ import asyncjobq
 from asyncjobq import Job, Queue, Worker
 
 
+@pytest.mark.processes
 async def test_schema_from_a_newer_version_is_refused(queue: Queue, pg_dsn: str) -> None:
     await execute(queue, "INSERT INTO {s}.migrations (version, name) VALUES (999, 'future')")
     message = (f"schema {queue.schema} is at version 999, newer than this asyncjobq")

@@ -22,6 +22,9 @@ from psycopg import sql
 from asyncjobq import Queue
 from asyncjobq._db import migrations
 
+# Each test starts processes: worker or CLI processes, or a server of its own.
+pytestmark = pytest.mark.processes
+
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"
 SECRET = "s3cretpw"
 # (DSN, exit code when given as --dsn): a malformed --dsn is a usage mistake; the same DSN in

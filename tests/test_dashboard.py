@@ -336,6 +336,7 @@ async def test_base_path_prefixes_routes_and_links(queue: Queue) -> None:
         create_app(queue, base_path="ops/")
 
 
+@pytest.mark.processes
 def test_without_the_extra_import_and_cli_say_what_to_install() -> None:
     block = "import sys; sys.modules['starlette'] = None; "
     r = subprocess.run([sys.executable, "-c", block + "import asyncjobq.dashboard"],
@@ -358,6 +359,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("host, warns", [("127.0.0.1", False), ("0.0.0.0", True)])
+@pytest.mark.processes
 async def test_the_cli_serves_it_and_warns_off_loopback(queue: Queue, pg_dsn: str, host: str,
                                                         warns: bool) -> None:
     port = _free_port()
@@ -724,6 +726,8 @@ async def test_migration_0008_does_not_deadlock_with_a_completion(queue: Queue,
         async def install_waits() -> bool:
             assert not install.done(), install.result()
             cur = await watch.execute("SELECT count(*) FROM pg_locks WHERE NOT granted"
+                                      " AND database = (SELECT oid FROM pg_database"
+                                      "   WHERE datname = current_database())"
                                       " AND relation = %s::regclass", (f"{queue.schema}.jobs",))
             row = await cur.fetchone()
             return bool(row and row[0])

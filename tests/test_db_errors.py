@@ -129,6 +129,7 @@ async def test_privilege_revoked_then_granted(queue: Queue, pg_dsn: str,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 async def test_drill_server_read_only_for_5_seconds(private_server: Any, schema: str) -> None:
     """Failover to a promoted standby, as the worker meets it: for 5 s every write fails with
     ReadOnlySqlTransaction, on the connections the worker already holds.

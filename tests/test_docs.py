@@ -204,6 +204,7 @@ def test_the_getting_started_sections_are_the_ones_walked() -> None:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.processes
 def test_a_newcomer_follows_getting_started_from_a_fresh_clone(tmp_path: Path) -> None:
     env = newcomer_env(tmp_path / "home")
     for section in sections(GETTING_STARTED.read_text()):

@@ -71,6 +71,7 @@ async def test_retry_failed_leaves_a_failed_job_whose_dedup_key_is_live(queue: Q
     assert await status_of(queue, old, live) == ["failed", "queued"]
 
 
+@pytest.mark.processes
 async def test_cli_retry_failed_says_which_jobs_it_left_failed(queue: Queue,
                                                                 pg_dsn: str) -> None:
     await failed_runs_of_a_periodic_job(queue, "nightly", 3)
@@ -240,7 +241,8 @@ async def test_a_stop_mid_vacuum_leaves_the_vacuum_lock_free(queue: Queue, pg_ds
 
     async def vacuuming() -> int | None:
         return await fetchval(  # type: ignore[no-any-return]
-            queue, "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+            queue, "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                   " AND application_name = %s"
                    " AND state = 'active' AND query LIKE 'VACUUM%%'", app)
 
     async with Queue(slow_dsn, schema=queue.schema, pool_min_size=1, pool_max_size=1,

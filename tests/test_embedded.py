@@ -65,6 +65,7 @@ def _notice(stderr: str, pgdata: Path) -> str:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 def test_cli_without_dsn_uses_embedded_server(workdir: Path) -> None:
     home = workdir / "home"
     pgdata = home / "pgdata"
@@ -92,6 +93,7 @@ def test_cli_without_dsn_uses_embedded_server(workdir: Path) -> None:
     assert not (pgdata / "postmaster.pid").exists()
 
 
+@pytest.mark.processes
 def test_dsn_from_environment_wins_over_embedded(pg_dsn: str, schema: str,
                                                  workdir: Path) -> None:
     home = workdir / "home"
@@ -135,6 +137,7 @@ def _start_sharer(me: str, cwd: Path, sync: Path) -> subprocess.Popen[str]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 async def test_two_processes_started_at_once_share_one_server(workdir: Path) -> None:
     # No $ASYNCJOBQ_HOME: the data directory is ./.asyncjobq/pgdata of the working directory.
     sync = workdir / "sync"
@@ -192,6 +195,7 @@ NO_PGSERVER = (
 
 @pytest.mark.parametrize("args", [["install"], ["status", "--json"], ["enqueue", "t"],
                                   ["worker", "apps.testapp:queue"], ["demo", "--jobs", "1"]])
+@pytest.mark.processes
 def test_without_pgserver_the_cli_says_what_to_do(workdir: Path, args: list[str]) -> None:
     home = workdir / "home"
     r = subprocess.run([sys.executable, "-c", NO_PGSERVER, *args], cwd=TESTS,

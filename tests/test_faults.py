@@ -18,6 +18,9 @@ from psycopg import sql
 
 from asyncjobq import Queue
 
+# Each test starts processes: worker or CLI processes, or a server of its own.
+pytestmark = pytest.mark.processes
+
 WORKER_APPS = ("asyncjobq-worker", "asyncjobq-worker-listen", "asyncjobq-worker-heartbeat")
 
 
@@ -95,7 +98,8 @@ async def retry_on_restart(fn: Any) -> Any:
 
 async def listeners(q: Queue, n: int) -> bool:
     count = await fetchval(q, "SELECT count(*) FROM pg_stat_activity"
-                           " WHERE application_name = 'asyncjobq-worker-listen'")
+                           " WHERE datname = current_database()"
+                           " AND application_name = 'asyncjobq-worker-listen'")
     return bool(count == n)
 
 
@@ -130,7 +134,16 @@ async def test_backend_kill_storm(queue: Queue, pg_dsn: str) -> None:
 
 
 @pytest.mark.timeout(240)
-async def test_pool_exhaustion(queue: Queue, pg_dsn: str) -> None:
+async def test_pool_exhaustion(private_server: Any, schema: str) -> None:
+    """Every connection slot of the server taken: on a server of its own, since the test's
+    neighbours (pytest-xdist's other workers) would lose theirs too."""
+    dsn = private_server.get_uri()
+    async with Queue(dsn, schema=schema) as queue:
+        await queue.install()
+        await _pool_exhaustion(queue, dsn)
+
+
+async def _pool_exhaustion(queue: Queue, pg_dsn: str) -> None:
     drill = Drill(queue, pg_dsn, "connections exhausted for 5 s", jobs=2000, seconds=0.05)
     await drill.setup()
     hogs: list[psycopg.AsyncConnection[Any]] = []
@@ -214,7 +227,7 @@ async def test_lost_lease_is_fenced(queue: Queue, pg_dsn: str) -> None:
                        timeout=30, what="the slow jobs running on the cut-off worker")
         await execute(queue, f"ALTER ROLE {role} NOLOGIN")
         await execute(queue, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                      " WHERE usename = %s", role)
+                      " WHERE datname = current_database() AND usename = %s", role)
         for _ in range(2):
             drill.start_worker("--queue", "slow", "--queue", "default")
         # The others reap the slow jobs after the lease and finish them (attempt 2).

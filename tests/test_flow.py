@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import psycopg
+import pytest
 from claims import CREATE_CLAIMS
 from conftest import execute, fetchval, run_cli, running, spawn_worker, wait_for
 from psycopg import sql
@@ -68,6 +69,7 @@ def _counting(real: Callable[[int], Awaitable[list[Job]]], got: list[int],
     return claim
 
 
+@pytest.mark.processes
 async def test_pause_under_load_stops_new_starts_when_it_returns(queue: Queue) -> None:
     starts: list[float] = []
     total = 400
@@ -95,6 +97,7 @@ async def test_pause_under_load_stops_new_starts_when_it_returns(queue: Queue) -
         await wait_for(lambda: len(starts) == total, 30, what="the rest after resume")
 
 
+@pytest.mark.processes
 async def test_pause_across_worker_processes(queue: Queue, pg_dsn: str) -> None:
     """Two worker processes under load: claims landing after pause() returned would show as
     handler starts (their claims rows, on the server's clock) well after it."""
@@ -136,6 +139,7 @@ async def _none_queued(queue: Queue) -> bool:
     return await _count(queue, "queued") == 0 and await _none_running(queue)
 
 
+@pytest.mark.processes
 def test_pause_and_resume_from_the_command_line(queue: Queue, pg_dsn: str) -> None:
     args = ("--schema", queue.schema)
     r = run_cli("pause", "emails", *args, dsn=pg_dsn)

@@ -166,6 +166,7 @@ async def cli(*args: str, dsn: str) -> subprocess.CompletedProcess[str]:
     return await anyio.to_thread.run_sync(lambda: run_cli(*args, dsn=dsn))
 
 
+@pytest.mark.processes
 async def test_prune_cli(queue: Queue, pg_dsn: str) -> None:
     await insert_old_history(queue, 25)
     r = await cli("prune", "--older-than", "1d", "--schema", queue.schema, dsn=pg_dsn)
@@ -315,6 +316,7 @@ async def test_doctor_warns_about_stale_running_jobs(queue: Queue) -> None:
     assert stale.level == "warning" and "1 running job(s)" in stale.message
 
 
+@pytest.mark.processes
 async def test_doctor_cli(queue: Queue, pg_dsn: str) -> None:
     r = await cli("doctor", "--json", "--schema", queue.schema, dsn=pg_dsn)
     assert "Traceback" not in r.stderr, r.stderr

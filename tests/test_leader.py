@@ -25,6 +25,7 @@ async def leader_pid(queue: Queue) -> int | None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 async def test_a_killed_leader_is_replaced_and_the_new_one_reaps(
         queue: Queue, pg_dsn: str) -> None:
     await execute(queue, "CREATE TABLE {s}.claims (job_id bigint, attempt int, pid int,"
@@ -41,7 +42,8 @@ async def test_a_killed_leader_is_replaced_and_the_new_one_reaps(
                        timeout=30, what="the long job running on the leader")
         procs += [spawn_worker(pg_dsn, queue.schema, *args) for _ in range(2)]
         await wait_for(lambda: fetchval(queue, "SELECT count(*) = 3 FROM pg_stat_activity"
-                                        " WHERE application_name = 'asyncjobq-worker-listen'"),
+                                        " WHERE datname = current_database()"
+                                        " AND application_name = 'asyncjobq-worker-listen'"),
                        timeout=30, what="the two others running")
         victim = first
         killed_at = time.monotonic()
@@ -172,6 +174,7 @@ async def _leader_is(queue: Queue, worker_id: str) -> bool:
     return info is not None and info["worker"] == worker_id
 
 
+@pytest.mark.processes
 async def test_status_shows_the_leader(queue: Queue, pg_dsn: str) -> None:
     r = run_cli("status", "--json", "--schema", queue.schema, dsn=pg_dsn)
     assert r.returncode == 0, r.stderr
@@ -209,7 +212,8 @@ async def test_a_snapshot_from_before_a_takeover_does_not_make_a_leader(
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watch:
             async def waiting() -> bool:
                 cur = await watch.execute(
-                    "SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    "SELECT count(*) > 0 FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
                     " AND query LIKE %s", (f"%INSERT INTO \"{queue.schema}\".leader%",))
                 row = await cur.fetchone()
                 return bool(row and row[0])

@@ -160,6 +160,7 @@ async def test_collector_for_an_apps_own_registry(queue: Queue) -> None:
                        in generate_latest(registry), 10, what="depth sampled")
 
 
+@pytest.mark.processes
 def test_metrics_port_in_use_is_one_line_and_exit_2(pg_dsn: str, schema: str) -> None:
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
@@ -210,6 +211,7 @@ def read_spans(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.processes
 async def test_trace_crosses_processes_in_the_job(pg_dsn: str, queue: Queue, tmp_path: Path,
                                                   exporter: InMemorySpanExporter) -> None:
     assert jobq_tracing.enabled()

@@ -241,7 +241,8 @@ async def test_two_leaders_at_once_enqueue_a_due_tick_once(queue: Queue, pg_dsn:
 
         async def both_waiting() -> bool:
             n = await fetchval(queue, "SELECT count(*) FROM pg_stat_activity"
-                               " WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                               " WHERE datname = current_database()"
+                               " AND wait_event_type = 'Lock' AND query LIKE %s",
                                f'%INSERT INTO "{queue.schema}".periodic_ticks%')
             return bool(n == 2)
 
@@ -345,6 +346,7 @@ def longest_missing_run(expected: list[datetime], seen: set[datetime]) -> int:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 async def test_three_workers_leader_killed_twice_no_tick_doubled_or_lost(
         queue: Queue, pg_dsn: str) -> None:
     """Three worker processes of one app (every second, and `*/2 * * * * *`), 30 s, the leader
@@ -357,7 +359,8 @@ async def test_three_workers_leader_killed_twice_no_tick_doubled_or_lost(
     takeovers: list[float] = []
     try:
         await wait_for(lambda: fetchval(queue, "SELECT count(*) = 3 FROM pg_stat_activity"
-                                        " WHERE application_name = 'asyncjobq-worker-listen'"),
+                                        " WHERE datname = current_database()"
+                                        " AND application_name = 'asyncjobq-worker-listen'"),
                        timeout=60, what="three workers running")
         await wait_for(lambda: last_tick(queue, "every-second"), timeout=30,
                        what="a first tick enqueued")
@@ -528,6 +531,7 @@ async def test_more_refusals_at_registration_and_at_worker_start(
     ("decorator", "cron='0 25 * * *' is invalid"),
 ])
 @pytest.mark.parametrize("command", ["schedules", "worker"])
+@pytest.mark.processes
 def test_the_cli_refuses_bad_schedules_in_one_line(pg_dsn: str, case: str, needle: str,
                                                    command: str) -> None:
     r = run_cli(command, "apps.badschedule:queue", dsn=pg_dsn, env={"ASYNCJOBQ_TEST_BAD": case},
@@ -543,6 +547,7 @@ def test_the_cli_refuses_bad_schedules_in_one_line(pg_dsn: str, case: str, needl
 # --- the schedules command ---------------------------------------------------------------------
 
 
+@pytest.mark.processes
 async def test_schedules_command_lists_name_task_expression_timezone_ticks(
         queue: Queue, pg_dsn: str) -> None:
     env = {"ASYNCJOBQ_TEST_SCHEMA": queue.schema}
@@ -579,6 +584,7 @@ async def test_schedules_command_lists_name_task_expression_timezone_ticks(
     assert json.loads(r.stdout)["schedules"] == {"every-second": last.isoformat()}
 
 
+@pytest.mark.processes
 def test_the_readme_example_lists_its_schedules(pg_dsn: str, schema: str) -> None:
     """examples/periodic.py (docs/guides/periodic.md), listed as its docstring says, from the
     repository's root."""

@@ -15,6 +15,9 @@ from conftest import execute, fetchval, restart, running, spawn_worker, wait_for
 
 from asyncjobq import Job, Queue, Worker
 
+# Each test starts processes: worker or CLI processes, or a server of its own.
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture
 async def claims_queue(queue: Queue) -> Queue:

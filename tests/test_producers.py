@@ -96,6 +96,7 @@ class Load:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 async def test_enqueue_resumes_within_a_second_of_the_server_return(private_server: Any,
                                                                     schema: str) -> None:
     """A 4 s outage under a steady load: the pool's default backoff (attempts at +0, +1, +3,
@@ -131,7 +132,8 @@ async def terminate(pg_dsn: str, app: str) -> int:
     """End the backends of connections named `app`; how many there were."""
     async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
         cur = await conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                                 " WHERE application_name = %s", (app,))
+                                 " WHERE datname = current_database()"
+                                 " AND application_name = %s", (app,))
         row = await cur.fetchone()
         return int(row[0]) if row else 0
 
@@ -139,7 +141,8 @@ async def terminate(pg_dsn: str, app: str) -> int:
 async def backends_gone(pg_dsn: str, app: str) -> bool:
     async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
         cur = await conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,))
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = %s", (app,))
         row = await cur.fetchone()
         return row is not None and row[0] == 0
 

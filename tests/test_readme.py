@@ -266,6 +266,7 @@ async def test_example_app_enqueues_in_the_order_transaction_and_a_worker_runs_t
 
 
 @pytest.mark.parametrize("name", APPS)
+@pytest.mark.processes
 async def test_the_worker_command_in_the_example_docstring_runs_its_jobs(
         name: str, example_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path) -> None:

@@ -183,6 +183,7 @@ async def test_nul_and_unpaired_surrogates_are_refused_before_any_io(
         assert info is not None and info.payload == {"text": "\\u0000", "emoji": "🎉"}
 
 
+@pytest.mark.processes
 def test_invalid_utf8_on_the_command_line_is_refused_clearly(pg_dsn: str, schema: str) -> None:
     # Python hands undecodable argv bytes over as lone surrogates.
     r = run_cli("enqueue", "t\udcff", "--schema", schema, dsn=pg_dsn, timeout=30)
@@ -204,6 +205,7 @@ def test_schema_names_are_validated(pg_dsn: str, bad: str) -> None:
         Queue(pg_dsn, schema=bad)
 
 
+@pytest.mark.processes
 def test_hostile_schema_name_on_the_command_line_creates_nothing(pg_dsn: str) -> None:
     bads = ['x"; DROP TABLE jobs; --', "Upper", "a" * 49]
     for bad in bads:
@@ -225,6 +227,7 @@ def test_hostile_schema_name_on_the_command_line_creates_nothing(pg_dsn: str) ->
 # --- injection through the CLI -----------------------------------------------------------------
 
 
+@pytest.mark.processes
 async def test_hostile_strings_through_the_cli(queue: Queue, pg_dsn: str) -> None:
     await execute(queue, CREATE_CLAIMS)
     await execute(queue, "CREATE TABLE {s}.canary (x int); INSERT INTO {s}.canary VALUES (1)")
@@ -302,6 +305,7 @@ def test_repr_and_errors_hide_the_password() -> None:
     assert SECRET not in str(bad.value)
 
 
+@pytest.mark.processes
 async def test_password_absent_from_logs_repr_and_status_of_a_working_setup(
         pg_dsn: str, schema: str, caplog: pytest.LogCaptureFixture) -> None:
     # The test servers trust local connections, so the password is carried but never checked:
@@ -409,7 +413,8 @@ def roles(pg_dsn: str, schema: str) -> Iterator[Roles]:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("SET lock_timeout = '5s'")
             conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                         " WHERE usename = ANY(%s)", (list(r.all()),))
+                         " WHERE datname = current_database()"
+                         " AND usename = ANY(%s)", (list(r.all()),))
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
                 sql.Identifier(schema)))
             for role in r.all():
@@ -430,6 +435,7 @@ async def assert_denied(conn: psycopg.AsyncConnection[Any], schema: str, *querie
             await conn.execute(sql.SQL(query).format(s=sql.Identifier(schema)))  # type: ignore[arg-type]
 
 
+@pytest.mark.processes
 async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
                                                      roles: Roles) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:

@@ -72,7 +72,8 @@ async def test_a_services_own_connection_serves_one_caller_at_a_time(
         turn = asyncio.create_task(reaper.reap())
 
         async def turn_blocked() -> bool:
-            cur = await watcher.execute("SELECT count(*) FROM pg_stat_activity WHERE"
+            cur = await watcher.execute("SELECT count(*) FROM pg_stat_activity"
+                                        " WHERE datname = current_database() AND"
                                         " wait_event_type = 'Lock' AND application_name"
                                         " LIKE '%%-reaper'")
             row = await cur.fetchone()

@@ -260,7 +260,8 @@ async def test_a_truncate_while_a_fold_is_in_flight_leaves_no_count(
 
         async def truncate_waits() -> bool:
             return bool(await fetchval(queue, "SELECT count(*) FROM pg_stat_activity"
-                                       " WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                                       " WHERE datname = current_database()"
+                                       " AND wait_event_type = 'Lock' AND query LIKE %s",
                                        "TRUNCATE %"))
 
         await wait_for(truncate_waits, timeout=10, what="the TRUNCATE waiting for the fold")
@@ -377,10 +378,13 @@ async def test_upgrade_beside_writers_counts_each_row_once(pg_dsn: str, schema: 
 
 async def waiting_on_history(q: Queue, n: int) -> bool:
     return bool(await fetchval(
-        q, "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = %s::regclass",
+        q, "SELECT count(*) FROM pg_locks WHERE NOT granted"
+           " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+           " AND relation = %s::regclass",
         f"{q.schema}.jobs_history") == n)
 
 
+@pytest.mark.processes
 def test_cli_status_counts_history_from_the_counts(pg_dsn: str, schema: str) -> None:
     async def setup() -> dict[str, dict[str, int]]:
         q = Queue(pg_dsn, schema=schema)

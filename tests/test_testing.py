@@ -439,6 +439,7 @@ def run_pytest(where: Path, dsn: str, *args: str) -> subprocess.CompletedProcess
                           timeout=120)
 
 
+@pytest.mark.processes
 def test_the_example_suite_passes_in_a_clean_directory_through_the_entry_point(
         tmp_path: Path, pg_dsn: str) -> None:
     """examples/'s tests as a separate pytest session away from this repository (no
@@ -456,6 +457,7 @@ def test_the_example_suite_passes_in_a_clean_directory_through_the_entry_point(
     assert "fixture 'asyncjobq_isolated' not found" in result.stdout, result.stdout
 
 
+@pytest.mark.processes
 def test_the_helpers_import_without_pytest_and_the_plugin_finds_its_own_server(
         tmp_path: Path) -> None:
     """`pip install asyncjobq` users have no pytest: asyncjobq.testing must not need it. And
