@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples docs
+	$(VENV)/bin/ruff check src tests benchmarks examples docs conftest.py
 	$(VENV)/bin/mypy --strict src examples
 
 # The documentation site, offline, into site/: any Sphinx warning fails the build. -E reads

@@ -26,11 +26,22 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+# Embedded servers' data directories, outside pytest's temporary tree: pgserver opens the path
+# to its own system user (o+rx on every parent), and any pytest started meanwhile (tests start
+# some) takes those bits off /tmp/pytest-of-<user> again; an initdb then failed, Permission
+# denied, under load.
+_SERVERS = Path(tempfile.mkdtemp(prefix="asyncjobq-test-pg-"))
 
-def start_embedded(pgdata: Any) -> Any:
+
+def start_embedded(name: str) -> Any:
     from asyncjobq._db.embedded import start_pgserver
 
-    return start_pgserver(pgdata, cleanup_mode="delete")
+    return start_pgserver(Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_SERVERS)) / "data",
+                          cleanup_mode="delete")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    shutil.rmtree(_SERVERS, ignore_errors=True)
 
 
 SERVER_FIXTURES = ("pg_dsn", "asyncjobq_dsn")
@@ -76,10 +87,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_dsn() -> Iterator[str]:
     dsn = os.environ.get("ASYNCJOBQ_TEST_DSN")
     if not dsn:
-        server = start_embedded(tmp_path_factory.mktemp("pg") / "data")
+        server = start_embedded("session")
         try:
             yield server.get_uri()
         finally:
@@ -109,10 +120,10 @@ def asyncjobq_dsn(pg_dsn: str) -> str:
 
 
 @pytest.fixture
-def private_server(tmp_path: Path) -> Iterator[Any]:
+def private_server() -> Iterator[Any]:
     """A PostgreSQL of the test's own, so that the test may restart it, change its settings or
     take all of its connection slots."""
-    server = start_embedded(tmp_path / "restartable")
+    server = start_embedded("private")
     yield server
     server.cleanup()
 
