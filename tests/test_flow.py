@@ -1,4 +1,4 @@
-"""Flow control (DESIGN §13, issue 21): pausing and resuming a queue."""
+"""Flow control (issue 21): pausing and resuming a queue."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flow control's limits (DESIGN §13, issue 21): concurrency, per-key and rate limits, held
+"""Flow control's limits (issue 21): concurrency, per-key and rate limits, held
 in the claim across worker processes. Handlers (tests/apps/flowapp.py) log their start and
 end times to a file; every check reads what the handlers saw."""
 

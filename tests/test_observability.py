@@ -1,4 +1,4 @@
-"""Prometheus metrics and OpenTelemetry traces (DESIGN §10, issue 20)."""
+"""Prometheus metrics and OpenTelemetry traces (issue 20)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""asyncjobq.testing (DESIGN §12): isolated, drain, perform, assert_enqueued, refute_enqueued,
+"""asyncjobq.testing: isolated, drain, perform, assert_enqueued, refute_enqueued,
 enqueued, and the pytest plugin's asyncjobq_isolated fixture."""
 
 from __future__ import annotations

@@ -496,7 +496,7 @@ async def test_worker_refuses_bad_settings(queue: Queue) -> None:
 
 
 async def test_default_batch_grows_with_concurrency(queue: Queue) -> None:
-    assert Worker(queue).batch_size == 10  # DESIGN: concurrency 20, batch 10
+    assert Worker(queue).batch_size == 10  # concurrency 20, batch 10
     assert Worker(queue, concurrency=5).batch_size == 10
     assert Worker(queue, concurrency=50).batch_size == 25
     assert Worker(queue, concurrency=200).batch_size == 100

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN §10; extra `asyncjobq[prometheus]`).
+"""Prometheus metrics (docs/reference/metrics.md; extra `asyncjobq[prometheus]`).
 
 `Worker(metrics_port=9464)` (`worker --metrics-port 9464`) serves them at /metrics; an app that
 serves its own registry registers `collector(queue)` in it:

@@ -1,4 +1,4 @@
-"""The dashboard (DESIGN §11; extra `asyncjobq[dashboard]`): an ASGI app over a Queue's public
+"""The dashboard (docs/guides/dashboard.md; extra `asyncjobq[dashboard]`): an ASGI app over a Queue's public
 API. `create_app(queue)` to mount it in your ASGI service, `python -m asyncjobq dashboard APP`
 to serve it alone.
 
