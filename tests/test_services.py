@@ -64,7 +64,7 @@ async def test_a_services_own_connection_serves_one_caller_at_a_time(
                   " locked_at) SELECT 't', '{{}}', 'running', 1, 'dead',"
                   " now() - interval '1 hour' FROM generate_series(1, 3000)")
     reaper = Reaper(queue.database, lease=30, interval=1)
-    async with reaper.held, await psycopg.AsyncConnection.connect(pg_dsn) as blocker, \
+    async with reaper.own_connection, await psycopg.AsyncConnection.connect(pg_dsn) as blocker, \
             await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watcher:
         # The turn's UPDATE waits behind this lock, holding the reaper's connection.
         await blocker.execute(sql.SQL("LOCK TABLE {}.jobs IN SHARE MODE").format(
@@ -91,11 +91,11 @@ async def test_closing_a_services_connection_waits_for_its_user(queue: Queue) ->
     """A worker that stops leading closes its reaper's connection: not under a direct call
     that is using it."""
     reaper = Reaper(queue.database, lease=30, interval=1)
-    assert reaper.held is not None
-    async with reaper.held:
+    assert reaper.own_connection is not None
+    async with reaper.own_connection:
         async def long_statement() -> object:
-            assert reaper.held is not None
-            async with reaper.held.connection() as conn:
+            assert reaper.own_connection is not None
+            async with reaper.own_connection.connection() as conn:
                 started.set()
                 cur = await conn.execute("SELECT pg_sleep(0.3), 1")
                 return await cur.fetchone()
@@ -103,6 +103,6 @@ async def test_closing_a_services_connection_waits_for_its_user(queue: Queue) ->
         started = asyncio.Event()
         user = asyncio.create_task(long_statement())
         await asyncio.wait_for(started.wait(), 10)
-        await reaper.held.close()
+        await reaper.own_connection.close()
         assert user.done()
         assert await user == ("", 1)

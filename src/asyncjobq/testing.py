@@ -30,10 +30,10 @@ from typing import Any, Literal
 
 import anyio
 import psycopg
-from psycopg import sql
 
 from . import tracing
 from ._db.dsn import check_dsn
+from ._db.sql import Statements, statements
 
 # The executor is the worker's own, not a copy: a test must see what a worker would do.
 from ._worker.executor import RunningJob, execute, finished
@@ -104,8 +104,9 @@ async def isolated(queue: Queue, *, dsn: str | None = None) -> AsyncIterator[Que
     server = dsn or os.environ.get(TEST_DSN_ENV) or queue.dsn
     schema = f"asyncjobq_test_{uuid.uuid4().hex[:16]}"
     check_dsn(server)  # a typo is a ConfigurationError, not a failed connection
+    st = statements(schema)
     bound = psycopg.conninfo.make_conninfo(
-        server, options=_search_path_first(server, schema, await _search_path(server)))
+        server, options=_search_path_first(server, schema, await _search_path(server, st)))
     with queue.bound_to(bound, schema):
         failed = False
         try:
@@ -127,15 +128,15 @@ async def isolated(queue: Queue, *, dsn: str | None = None) -> AsyncIterator[Que
                     await queue.close()
                 finally:
                     await queue.database.close()  # closed even if close() failed midway
-                    await _drop_or_say(server, schema, failed)
+                    await _drop_or_say(server, st, failed)
 
 
-async def _search_path(dsn: str) -> str:
+async def _search_path(dsn: str, st: Statements) -> str:
     """The search_path the DSN's connections get (its options, the role's or database's
     settings), for the test schema to go first in, not to replace."""
     try:
         async with await psycopg.AsyncConnection.connect(dsn, connect_timeout=10) as conn:
-            cur = await conn.execute("SHOW search_path")
+            cur = await conn.execute(st.search_path_show)
             row = await cur.fetchone()
     except psycopg.OperationalError as e:
         raise ConfigurationError(
@@ -153,9 +154,10 @@ def _search_path_first(dsn: str, schema: str, current: str) -> str:
     return f"{options} -c search_path={path}".strip()
 
 
-async def _drop_or_say(server: str, schema: str, failed: bool) -> None:
+async def _drop_or_say(server: str, st: Statements, failed: bool) -> None:
+    schema = st.schema
     try:
-        await _drop_schema(server, schema)
+        await _drop_schema(server, st)
     except psycopg.Error as e:
         if failed:
             # The test's own error is the one to see; the schema is only litter.
@@ -167,21 +169,16 @@ async def _drop_or_say(server: str, schema: str, failed: bool) -> None:
             f"DROP SCHEMA {schema} CASCADE") from None
 
 
-async def _drop_schema(dsn: str, schema: str) -> None:
+async def _drop_schema(dsn: str, st: Statements) -> None:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True,
                                                      connect_timeout=10) as conn:
         # A worker the test left running may hold locks on its tables: wait a little, not
         # forever (the test reports its own failure; a leftover schema is only litter).
-        await conn.execute("SET lock_timeout = '5s'")
-        await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-            sql.Identifier(schema)))
+        await conn.execute(st.session_lock_timeout_5s)
+        await conn.execute(st.schema_drop)
 
 
 # --- enqueued, assert_enqueued, refute_enqueued --------------------------------------------
-
-_INFO = ("id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "
-         "created_at, finished_at, payload, key")
-
 
 async def enqueued(q: Queue, task: str | Task | None = None, *, queue: str | None = None,
                    conn: psycopg.AsyncConnection[Any] | None = None) -> list[JobInfo]:
@@ -191,11 +188,7 @@ async def enqueued(q: Queue, task: str | Task | None = None, *, queue: str | Non
     name = _task_name(task, required=False)
     _check_optional_str("queue", queue)
     _check_conn(conn)
-    query = sql.SQL(
-        "SELECT " + _INFO + " FROM {s}.jobs WHERE status = 'queued'"
-        " AND (%(task)s::text IS NULL OR task = %(task)s)"
-        " AND (%(queue)s::text IS NULL OR queue = %(queue)s) ORDER BY id"
-    ).format(s=sql.Identifier(q.schema))
+    query = q.sql.job_list_queued
     params = {"task": name, "queue": queue}
     with q.translate_errors():
         if conn is not None:
@@ -406,18 +399,7 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
                                  "None for no limit")
     horizon = _horizon(until)
     worker = f"asyncjobq-testing-drain-{uuid.uuid4().hex[:8]}"
-    claim = sql.SQL(
-        "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s, locked_at = now(),"
-        " attempts = attempts + 1"
-        " WHERE id = (SELECT id FROM {s}.jobs WHERE status = 'queued'"
-        "   AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))"
-        "   AND NOT EXISTS (SELECT FROM {s}.paused_queues pq WHERE pq.queue = jobs.queue)"
-        # Due by the server's clock: until= only ever adds to now(), never holds a due job.
-        "   AND run_at <= greatest(now(), coalesce(%(until)s::timestamptz, now()),"
-        "     now() + make_interval(secs => coalesce(%(ahead)s::float8, 0)))"
-        "   ORDER BY priority DESC, run_at, id LIMIT 1 FOR NO KEY UPDATE SKIP LOCKED)"
-        " RETURNING id, task, queue, payload, priority, attempts, max_attempts, run_at,"
-        " created_at, trace_context").format(s=sql.Identifier(q.schema))
+    claim = q.sql.job_claim_one_for_drain
     params = {"worker": worker, "queues": names, "until": horizon,
               "ahead": until.total_seconds() if isinstance(until, timedelta) else None}
     # The worker's tracing middleware too (tracing.py), when a tracer provider is set.

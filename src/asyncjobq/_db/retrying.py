@@ -70,8 +70,37 @@ def advice(e: BaseException) -> str:
     return "the connection was lost or refused; " + _CONNECTION
 
 
-class Retry:
-    """Backoff and once-per-kind logging for one loop.
+class Backoff:
+    """A wait that starts at `first` and doubles each time it is taken, never past `most`,
+    until `reset()` starts it over: `next()` returns first, 2 * first, 4 * first, ..., most,
+    most, ... (`first` itself is capped at `most` too).
+
+    The waits built on it, and their values:
+
+    - a worker loop's database errors (`RetryPolicy`): 0.1 s doubling to 5 s (the completer's
+      lanes from 0.05 s, its final flush 0.2 s to 1 s), each wait jittered by +-20 %, reset by
+      a success;
+    - a failed maintenance turn (services.py): 2, 4, 8, 16, 32 and then 64 times the service's
+      interval, at most its `max_backoff` (60 s unless the service says otherwise) but never
+      less than one interval; reset by a turn that succeeds;
+    - a claim that held rows back for a full limit (the fetcher): 0.1 s (a rate window: 0.02 s)
+      doubling to poll_interval, reset by a claim that holds none back.
+    """
+
+    def __init__(self, first: float, most: float) -> None:
+        self._first = self._next = min(first, most)
+        self._most = most
+
+    def next(self) -> float:
+        wait, self._next = self._next, min(self._most, 2 * self._next)
+        return wait
+
+    def reset(self) -> None:
+        self._next = self._first
+
+
+class RetryPolicy:
+    """Backoff and once-per-kind logging for one loop that retries database errors.
 
     `failed(e)` logs `e` (a warning the first time its kind is met since the last success, a
     debug line after) and returns the seconds to wait; `succeeded()` resets both. Loops that
@@ -82,9 +111,8 @@ class Retry:
                  most: float = 5.0, seen: set[str] | None = None) -> None:
         self._log = log
         self._doing = doing
-        self._first = first
         self._most = most
-        self._delay = first
+        self._backoff = Backoff(first, most)
         self.seen: set[str] = seen if seen is not None else set()
         self.failures = 0
 
@@ -94,15 +122,19 @@ class Retry:
         level = logging.DEBUG if k in self.seen else logging.WARNING
         self.seen.add(k)
         # Jittered: a fleet that failed together does not retry in lockstep.
-        delay = self._delay * random.uniform(0.8, 1.2)
-        self._delay = min(self._delay * 2, self._most)
+        delay = self._backoff.next() * random.uniform(0.8, 1.2)
         self._log.log(level, "%s failed (%s): %s. Retrying in %.2f s, backing off to %.0f s; "
                       "this kind of error is logged again only after a success",
                       doing or self._doing, reason(e), advice(e), delay, self._most)
         return delay
 
     def succeeded(self) -> None:
-        self._delay = self._first
+        self._backoff.reset()
         if self.seen:
             self.seen.clear()
             self._log.info("%s works again", self._doing)
+
+
+# The worker's loops (_worker/) still import the old name, which is also asyncjobq.Retry's (a
+# job's snooze): remove once they import RetryPolicy.
+Retry = RetryPolicy

@@ -45,7 +45,7 @@ class Elector(Service):
         self.max_backoff = self.interval
         self._on_change = on_change
         # Its own connection: handlers holding every pooled one must not cost the lease.
-        self._conn = self.own_connection(db, "leader")
+        self._conn = self.use_own_connection(db, "leader")
         self._valid_until = 0.0  # monotonic; leader while now is before it
         # A turn ended without its reply: it may have written the row all the same.
         self._unsure = False

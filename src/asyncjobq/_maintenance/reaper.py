@@ -32,7 +32,7 @@ class Reaper(Service):
         self.interval = interval
         self._hooks = hooks
         # Its own connection: handlers holding every pooled one must not stall reaping.
-        self._conn = self.own_connection(db, "reaper")
+        self._conn = self.use_own_connection(db, "reaper")
         # Told (queue, task, new status) of each job taken back (the metrics' reaped count).
         self._observe = observe
         self.reaped = 0

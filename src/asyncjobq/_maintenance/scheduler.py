@@ -70,7 +70,7 @@ class Scheduler(Service):
                  ahead: float = AHEAD) -> None:
         self._db = db
         # Its own connection: handlers holding every pooled one must not make ticks late.
-        self._conn = self.own_connection(db, "scheduler")
+        self._conn = self.use_own_connection(db, "scheduler")
         self.schedules = list(schedules)
         # What each schedule's jobs carry, decoded once: the turn sends it back as JSON.
         self._specs = {s.name: [s.name, s.task, json.loads(s.payload), s.queue, s.priority,

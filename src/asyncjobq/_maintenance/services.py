@@ -3,12 +3,12 @@
 
 A service is a small object of one shape: a `name`, an `interval` in seconds, `leader_only`
 (run on the fleet's leader only, leader.py), a `timeout` in seconds, `async turn()` and,
-for a service that must not wait behind handlers for a pooled connection, `held` (a connection
-of its own, open while the runner runs; heldconn.py). The
-runner calls each turn every interval, cancels a turn that outlasts its timeout, logs and backs
-off when a turn fails, and never dies of a failed turn: a bug in one service (even one that
-raises CancelledError of its own) must not stop a worker's claims, nor the other services. A
-service that sets `disabled` is not run again.
+for a service that must not wait behind handlers for a pooled connection, `own_connection` (a
+connection of its own, open while the runner runs; heldconn.py). The runner calls each turn
+every interval, cancels a turn that outlasts its timeout, logs and backs off when a turn fails
+(`turn_backoff`), and never dies of a failed turn: a bug in one service (even one that raises
+CancelledError of its own) must not stop a worker's claims, nor the other services. A service
+that sets `disabled` is not run again.
 """
 
 from __future__ import annotations
@@ -49,16 +49,23 @@ class Service:
     # lock or a server that stopped answering must not hold the service for good.
     timeout = 60.0
     # A connection of the service's own while the runner runs (else it uses the pool).
-    held: HeldConnection | None = None
+    own_connection: HeldConnection | None = None
 
     async def turn(self) -> object:
         raise NotImplementedError
 
-    def own_connection(self, db: Database, role: str) -> HeldConnection:
-        """Give the service a connection of its own (`held`), for its statements to use; it
-        plans them as the pool's connections do."""
-        held = self.held = HeldConnection(db, role, generic_plans=False)
-        return held
+    def use_own_connection(self, db: Database, role: str) -> HeldConnection:
+        """Give the service a connection of its own (`own_connection`), for its statements to
+        use; it plans them as the pool's connections do."""
+        conn = self.own_connection = HeldConnection(db, role, generic_plans=False)
+        return conn
+
+
+def turn_backoff(service: Service) -> retrying.Backoff:
+    """The waits after failed turns in a row: 2, 4, ... 64 intervals, at most `max_backoff`
+    but never less than one interval (the elector's `max_backoff` is its interval)."""
+    most = max(service.interval, min(service.max_backoff, 64 * service.interval))
+    return retrying.Backoff(2 * service.interval, most)
 
 
 class ServiceRunner:
@@ -75,10 +82,10 @@ class ServiceRunner:
         self._started = True
         try:
             with self._scope:
-                async with AsyncExitStack() as held:
+                async with AsyncExitStack() as opened:
                     for service in self.services:
-                        if service.held is not None:
-                            await held.enter_async_context(service.held)
+                        if service.own_connection is not None:
+                            await opened.enter_async_context(service.own_connection)
                     async with anyio.create_task_group() as tg:
                         for service in self.services:
                             tg.start_soon(self._loop, service,
@@ -99,13 +106,15 @@ class ServiceRunner:
 
     async def _loop(self, service: Service) -> None:
         delay = 0.0 if service.eager else service.interval
+        backoff = turn_backoff(service)
         failed_kinds: set[str] = set()
         while not service.disabled:
             await anyio.sleep(delay)
             delay = service.interval
             if service.leader_only and not self._is_leader():
-                if service.held is not None:
-                    await service.held.close()  # a former leader's: reopened if it leads again
+                if service.own_connection is not None:
+                    # A former leader's: reopened if it leads again.
+                    await service.own_connection.close()
                 continue
             try:
                 with anyio.move_on_after(service.timeout) as scope:
@@ -114,23 +123,23 @@ class ServiceRunner:
                     raise TurnTimeout(f"the turn took more than {service.timeout:g} s and was "
                                       "cancelled")
             except (psycopg.Error, PoolTimeout, OSError, TurnTimeout) as e:
-                delay = self._failed(service, e, failed_kinds, traceback=False)
+                delay = self._failed(service, e, backoff, failed_kinds, traceback=False)
             except asyncio.CancelledError as e:
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     raise  # the runner itself is being stopped
-                delay = self._failed(service, e, failed_kinds, traceback=True)
+                delay = self._failed(service, e, backoff, failed_kinds, traceback=True)
             except Exception as e:  # a bug: logged with its traceback, the worker goes on
-                delay = self._failed(service, e, failed_kinds, traceback=True)
+                delay = self._failed(service, e, backoff, failed_kinds, traceback=True)
             else:
+                backoff.reset()
                 failed_kinds.clear()
                 self.failures[service.name] = 0
 
-    def _failed(self, service: Service, e: BaseException, seen: set[str], *,
-                traceback: bool) -> float:
-        n = self.failures[service.name] = self.failures.get(service.name, 0) + 1
-        delay = max(service.interval,
-                    min(service.max_backoff, service.interval * 2.0 ** min(n, 6)))
+    def _failed(self, service: Service, e: BaseException, backoff: retrying.Backoff,
+                seen: set[str], *, traceback: bool) -> float:
+        self.failures[service.name] = self.failures.get(service.name, 0) + 1
+        delay = backoff.next()
         kind = retrying.kind(e)
         # Once per kind of error until a turn succeeds: an outage must not flood the log.
         level = logging.DEBUG if kind in seen else logging.WARNING

@@ -4,7 +4,8 @@ Statements are composed with psycopg.sql; the schema is always an Identifier and
 always a bound parameter. `statements(schema)` builds the set once per schema. Each role has its
 module: enqueue.py (producers), claim.py (the worker's claim, completion and heartbeat),
 maintenance.py (reaper, leader, pruner, vacuum, periodic scheduler), admin.py (install, admin
-calls, doctor), browse.py (the jobs list and its actions, for the dashboard).
+calls), doctor.py (doctor's checks and the fixes it advises), browse.py (the jobs list and its
+actions, for the dashboard), testing.py (asyncjobq.testing's schema, listing and drain claim).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from .admin import AdminStatements
 from .browse import BrowseStatements
 from .claim import WorkerStatements
 from .common import CLAIM_COLUMNS, HISTORY_COLUMNS, INFO_COLUMNS, IndexDefinition
+from .doctor import DoctorStatements
 from .enqueue import EnqueueStatements
 from .maintenance import MaintenanceStatements
+from .testing import TestingStatements
 
 __all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition", "Statements",
            "statements"]
@@ -25,7 +28,7 @@ __all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition"
 
 @dataclass(frozen=True)
 class Statements(EnqueueStatements, WorkerStatements, MaintenanceStatements, AdminStatements,
-                 BrowseStatements):
+                 DoctorStatements, BrowseStatements, TestingStatements):
     schema: str
 
 
