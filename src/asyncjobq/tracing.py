@@ -1,4 +1,5 @@
-"""OpenTelemetry traces from enqueue to handler (docs/guides/observability.md; extra `asyncjobq[otel]`).
+"""OpenTelemetry traces from enqueue to handler (docs/guides/observability.md; extra
+`asyncjobq[otel]`).
 
 With `opentelemetry-api` installed and a tracer provider configured (the application sets up
 the SDK and its exporter, before the worker starts), `enqueue` and `enqueue_many` record a

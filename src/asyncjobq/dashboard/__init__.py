@@ -1,6 +1,6 @@
-"""The dashboard (docs/guides/dashboard.md; extra `asyncjobq[dashboard]`): an ASGI app over a Queue's public
-API. `create_app(queue)` to mount it in your ASGI service, `python -m asyncjobq dashboard APP`
-to serve it alone.
+"""The dashboard (docs/guides/dashboard.md; extra `asyncjobq[dashboard]`): an ASGI app over a
+Queue's public API. `create_app(queue)` to mount it in your ASGI service,
+`python -m asyncjobq dashboard APP` to serve it alone.
 
 Pages are rendered on the server (Jinja2, autoescaped) with plain forms; a few lines of
 JavaScript refresh the overview and the lists in place. Every asset is served by the app.

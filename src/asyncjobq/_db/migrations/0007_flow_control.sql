@@ -1,4 +1,4 @@
--- asyncjobq schema, version 7: flow control (DESIGN §13): fleet-wide concurrency limits, per-key
+-- asyncjobq schema, version 7: flow control (docs/guides/flow-control.md): fleet-wide concurrency limits, per-key
 -- serial execution and rate limits, enforced inside the claim (sql/claim.py, the `_limited`
 -- statements). Limits live in the workers' code and come with every claim as a parameter, so
 -- a limit changed in code takes effect when the workers restart; nothing here stores them.
