@@ -295,7 +295,7 @@ async def test_the_heartbeat_thread_survives_any_exception(queue: Queue) -> None
         await wait_for(lambda: _is(queue, job_id, "running"), timeout=10)
         assert w.heartbeat is not None
         hb = w.heartbeat
-        real = hb._held
+        real = hb._renew
         calls = {"n": 0}
 
         def flaky() -> list[tuple[int, int]]:
@@ -304,7 +304,7 @@ async def test_the_heartbeat_thread_survives_any_exception(queue: Queue) -> None
                 raise RuntimeError("a bug somewhere in the worker")
             return real()
 
-        hb._held = flaky  # type: ignore[method-assign]
+        hb._renew = flaky  # type: ignore[method-assign]
         await wait_for(lambda: calls["n"] >= 1, timeout=5)
         beats = hb.beats
         await wait_for(lambda: hb.beats > beats, timeout=5, what="a beat after the error")
@@ -420,7 +420,7 @@ async def test_a_handler_that_turns_a_lost_lease_into_an_outcome_writes_nothing(
         # Its body, not only its task: a task cancelled before its first step never sees the
         # CancelledError this test is about (a CI run under load hit that).
         await wait_for(started.is_set, timeout=10, what="the handler running")
-        w._lease_lost(set(w._running))
+        w._running.lease_lost(set(w._running.leased()))
         await wait_for(cancelled.is_set, timeout=10, what="the handler cancelled")
         await wait_for(lambda: not w._running, timeout=10, what="the handler ended")
         await wait_for(lambda: w.completer is not None and not w.completer.pending(),
@@ -446,9 +446,9 @@ async def test_a_cut_off_job_is_left_to_the_reaper_not_released_uncounted(
     w = Worker(queue, concurrency=1, lease=60.0, poll_interval=0.1)
     async with running(w):
         await wait_for(lambda: bool(w._running), timeout=10, what="the job running")
-        (r,) = w._running.values()
+        (r,) = w._running
         r.started -= 120  # its lease ran out as far as the worker can tell
-        w._cut_off(120.0)
+        w._running.cut_off(120.0)
         await wait_for(lambda: not w._running, timeout=10, what="the handler cancelled")
         assert w.fetcher is not None
         w.fetcher._suspect = True  # a claim's reply was lost meanwhile
@@ -478,15 +478,17 @@ async def test_a_job_cancelled_before_its_task_starts_frees_its_slot(
 
     job_id = await early.enqueue({})
     w = Worker(queue, concurrency=1, poll_interval=0.1)
-    dispatch = w._dispatch
+    dispatch = w._running.dispatch
     dispatched: list[int] = []
 
     def dispatch_then_cancel(job: Job) -> None:
         dispatch(job)
         dispatched.append(job.id)
-        w._running[job.id, job.attempt].cancel(reason)  # before the task's first step
+        r = w._running.get((job.id, job.attempt))
+        assert r is not None
+        r.cancel(reason)  # before the task's first step
 
-    w._dispatch = dispatch_then_cancel  # type: ignore[method-assign]
+    w._running.dispatch = dispatch_then_cancel  # type: ignore[method-assign]
     async with running(w):
         await wait_for(lambda: bool(dispatched), timeout=10, what="the job claimed")
         await wait_for(lambda: not w._running, timeout=10, what="its slot freed")

@@ -227,7 +227,7 @@ async def test_a_blocked_loop_is_blamed_on_the_code_blocking_it(
 
 def a_heartbeat(lease: float = 3.0, **kw: Any) -> Heartbeat:
     """A Heartbeat that never reaches a database: nothing is held, so no beat connects."""
-    return Heartbeat(cast(Database, None), "w", lease=lease, held=list, running_tasks=list,
+    return Heartbeat(cast(Database, None), "w", lease=lease, renew=list, running_tasks=list,
                      on_lost=lambda _: None, **kw)
 
 

@@ -39,6 +39,7 @@ from ._worker.heartbeat import Heartbeat
 from ._worker.listener import Listener
 from ._worker.misplaced import Mover
 from ._worker.outcome import Outcome
+from ._worker.running import Running
 from ._worker.threads import ThreadRunner
 from .errors import ConfigurationError, reason
 from .job import Job
@@ -178,12 +179,9 @@ class Worker:
         base = name or f"{socket.gethostname()}-{os.getpid()}"
         self.id = f"{base}-{uuid.uuid4().hex[:8]}"
         self.name = base
-        # Keyed by (id, attempt): after a lost lease this worker may claim the job's next
-        # attempt while the old one is still being cancelled; each is counted and fenced alone.
-        self._running: dict[tuple[int, int], RunningJob] = {}
-        # (id, attempt) -> when: handlers given up for a lost lease, whose rows the reaper takes.
-        self._let_go: dict[tuple[int, int], float] = {}
-        self._none_running: anyio.Event | None = None
+        # The handlers running, the outcomes not yet written, the jobs let go for a lost
+        # lease: what the heartbeat renews and what a release of lost claim rows leaves alone.
+        self._running = Running(self._execute, lease=self.lease, pending=self._pending)
         # Limited tasks declared on queues this worker does not serve: it claims without their
         # limits, so a job of theirs it claims is moved to the task's queue, not run (set in
         # run(); misplaced.py).
@@ -226,7 +224,7 @@ class Worker:
     @property
     def running_jobs(self) -> list[Job]:
         """The jobs whose handlers this worker is running now."""
-        return [r.job for r in self._running.values()]
+        return self._running.jobs()
 
     # --- run -------------------------------------------------------------------------------
 
@@ -259,8 +257,8 @@ class Worker:
         fetcher = self.fetcher = Fetcher(
             db, self.id, self.queues, batch_size=self.batch_size,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
-            free_slots=self._free_slots, dispatch=self._dispatch, held=self._keep,
-            claimed=self._claimed,
+            free_slots=self._free_slots, dispatch=self._running.dispatch,
+            keep=self._running.keep, claimed=self._claimed,
             # Only the limits of tasks declared on this worker's queues: any limit sent makes
             # every claim the slower limited one (docs/guides/flow-control.md), and a limited
             # task's jobs are in its own queue (Queue.enqueue refuses any other; one written
@@ -276,9 +274,9 @@ class Worker:
             urgent=frozenset(t.name for t in self.queue.tasks.values() if t.key_limit),
             on_flushed=collected.observe_flush if collected is not None else None)
         heartbeat = self.heartbeat = Heartbeat(
-            db, self.id, lease=self.lease, held=self._held,
-            running_tasks=lambda: [r.job.task for r in tuple(self._running.values())],
-            on_lost=self._lease_lost, on_cut_off=self._cut_off)
+            db, self.id, lease=self.lease, renew=self._running.leased,
+            running_tasks=self._running.tasks, on_lost=self._running.lease_lost,
+            on_cut_off=self._running.cut_off)
         self.pruner = Pruner(db, self.queue.retention, interval=self.prune_interval)
         self.vacuum = (HotTableVacuum(db, interval=self.vacuum_interval)
                        if self.vacuum_interval is not None else None)
@@ -342,8 +340,7 @@ class Worker:
             finally:
                 # Torn down (cancelled) rather than stopped: handlers still running are
                 # cancelled with it; their jobs stay running in the table until reaped.
-                for r in list(self._running.values()):
-                    r.abandon()
+                self._running.abandon_all()
             services.cancel_scope.cancel()
 
     async def _fetch_then_shutdown(self, fetcher: Fetcher, completer: Completer) -> None:
@@ -359,21 +356,18 @@ class Worker:
             log.info("stopping: waiting up to %g s for %d running job(s)",
                      self.shutdown_timeout, len(self._running))
             with anyio.move_on_after(self.shutdown_timeout):
-                await self._all_finished()
+                await self._running.all_finished()
         # ...then cancel the rest; their executors record them as released back to queued.
         if self._running:
             log.warning("stopping: cancelling %d job(s) still running after %g s: %s",
-                        len(self._running), self.shutdown_timeout,
-                        ", ".join(f"{r.job.id} ({r.job.task})" for r in self._running.values()))
-            for r in list(self._running.values()):
-                r.cancel("shutdown")
+                        len(self._running), self.shutdown_timeout, self._running.describe())
+            self._running.cancel_all("shutdown")
             with anyio.move_on_after(5.0):
-                await self._all_finished()
+                await self._running.all_finished()
             if self._running:  # sync bodies that cannot be interrupted
                 log.warning("stopping: %d handler(s) still running after being cancelled; "
                             "leaving their jobs to be reaped after the lease: %s",
-                            len(self._running), ", ".join(
-                                f"{r.job.id} ({r.job.task})" for r in self._running.values()))
+                            len(self._running), self._running.describe())
         await completer.drain(timeout=10.0)
         await self.queue.hooks.settle(timeout=5.0)
         # Rows of a claim whose reply was lost go back now rather than after the lease.
@@ -400,23 +394,13 @@ class Worker:
         if self.queue.hooks.on_leader_changed:
             self.queue.hooks.spawn("on_leader_changed", worker_id=worker_id)
 
-    async def _all_finished(self) -> None:
-        self._none_running = anyio.Event()
-        if self._running:
-            await self._none_running.wait()
-
     def _free_slots(self) -> int:
         # Jobs whose outcomes wait beyond what the completer's lanes write at once still hold
         # their slots: claiming past the completer would pile up running rows that every flush
         # must join against.
         c = self.completer
-        held = max(0, c.backlog - c.capacity) if c is not None else 0
-        return self.concurrency - len(self._running) - held
-
-    def _dispatch(self, job: Job) -> None:
-        running = RunningJob(job, time.monotonic())
-        self._running[job.id, job.attempt] = running
-        running.task = asyncio.create_task(self._execute(running), name=f"asyncjobq job {job.id}")
+        unwritten = max(0, c.backlog - c.capacity) if c is not None else 0
+        return self.concurrency - len(self._running) - unwritten
 
     async def _execute(self, running: RunningJob) -> None:
         running.begun = True
@@ -438,9 +422,7 @@ class Worker:
             if hooks is not None and hooks.on_finished and not misplaced:
                 hooks.spawn("on_finished", job=job, outcome=finished(outcome, running),
                             duration=time.monotonic() - running.started)
-            self._running.pop((job.id, job.attempt), None)
-            if not self._running and self._none_running is not None:
-                self._none_running.set()
+            self._running.finish(running)
             if outcome is not None:
                 self.completer.add(outcome)
             self.fetcher.release_slot()
@@ -459,43 +441,7 @@ class Worker:
                 # Our own retry is due before the next poll: wake up for it.
                 self.fetcher.wakeup.at(time.monotonic() + o.delay)
 
-    def _held(self) -> list[tuple[int, int]]:
-        """(id, attempt) of every job this worker holds: running, or its outcome not written.
-
-        Called from the heartbeat thread too: tuple() copies without running Python code, so
-        the loop cannot change the dict mid-copy.
-        """
+    def _pending(self) -> list[tuple[int, int]]:
+        """(id, attempt) of the outcomes not written yet; called from the heartbeat thread."""
         assert self.completer is not None
-        return [*tuple(self._running), *self.completer.pending()]
-
-    def _keep(self) -> list[tuple[int, int]]:
-        """What a release of lost claim rows (fetcher.py) must leave alone: the jobs held, and
-        those let go for a lost lease, which are the reaper's to take with their attempt
-        counted (released uncounted, a job always cut off would run forever)."""
-        now = time.monotonic()
-        for key, at in list(self._let_go.items()):
-            if now - at > 10 * self.lease:  # long since reaped
-                del self._let_go[key]
-        return [*self._held(), *self._let_go]
-
-    def _lease_lost(self, lost: set[tuple[int, int]]) -> None:
-        for key in lost:
-            r = self._running.get(key)
-            if r is not None and r.cancel_reason is None:
-                self._let_go[key] = time.monotonic()
-                log.warning("job %s (%s) attempt %s: lease lost (reaped while running); "
-                            "cancelling the handler, its outcome will not be written", key[0],
-                            r.job.task, key[1])
-                r.cancel("lease lost")
-
-    def _cut_off(self, silent_for: float) -> None:
-        """No heartbeat has landed for a lease: the fleet presumes this worker dead and may
-        reap its jobs at any moment, so the handlers whose lease has run out stop now."""
-        expired = time.monotonic() - self.lease
-        for (job_id, attempt), r in list(self._running.items()):
-            if r.started < expired and r.cancel_reason is None:
-                self._let_go[job_id, attempt] = time.monotonic()
-                log.warning("job %s (%s) attempt %s: no heartbeat has reached the database for "
-                            "%.0f s (lease %.0f s); presuming the lease lost and cancelling the "
-                            "handler", job_id, r.job.task, attempt, silent_for, self.lease)
-                r.cancel("lease lost")
+        return self.completer.pending()

@@ -112,7 +112,7 @@ class Fetcher:
         poll_interval: float,
         free_slots: Callable[[], int],
         dispatch: Callable[[Job], None],
-        held: Callable[[], list[tuple[int, int]]] = list,
+        keep: Callable[[], list[tuple[int, int]]] = list,
         claimed: Callable[[list[Job]], None] | None = None,
         limits: dict[str, dict[str, object]] | None = None,
     ) -> None:
@@ -125,7 +125,9 @@ class Fetcher:
         self._poll_interval = poll_interval
         self._free_slots = free_slots
         self._dispatch = dispatch
-        self._held_now = held  # (id, attempt) of every job the worker holds in memory
+        # (id, attempt) of the rows a release of lost claim rows must leave alone: the jobs the
+        # worker runs or has not written the outcome of, and those it let go (Running.keep).
+        self._keep = keep
         self._claimed = claimed  # told of each claimed batch, before it is dispatched
         # A claim failed after it was sent: it may have committed, its rows then held in the
         # table by this worker with no handler. They are released before the next claim.
@@ -317,7 +319,7 @@ class Fetcher:
             if until is not None and time.monotonic() > until:
                 raise TimeoutError(f"a claim was still in flight after {timeout:g} s")
             await self.wakeup.wait(0.01)
-        held = self._held_now()
+        keep = self._keep()
         st = self._db.sql
         # Only a one-row claim's lost reply is that row's doing: rows of a lost batch are
         # released uncounted and claimed one at a time next.
@@ -326,8 +328,8 @@ class Fetcher:
                    if single else [])
         async with self._held.connection() as conn:
             cur = await conn.execute(st.job_release_lost_claims, {
-                "worker": self._worker_id, "ids": [i for i, _ in held],
-                "attempts": [a for _, a in held], "channel": self._db.channel,
+                "worker": self._worker_id, "ids": [i for i, _ in keep],
+                "attempts": [a for _, a in keep], "channel": self._db.channel,
                 "counted": counted, "times": LOST_CLAIM_TIMES})
             row = await cur.fetchone()
         self._suspect = False

@@ -11,7 +11,7 @@ A loop blocked for a whole lease stops the beats: its worker can no longer finis
 fence anything, and beats that went on would keep its jobs from the reaper for as long as the
 block lasts, which may be forever (a loop spinning in a bug). The fleet then takes the jobs
 back, as from a dead worker; if the loop returns, the beats resume and the lease machinery
-(worker.py, _cut_off and _lease_lost) lets go of the jobs whose lease lapsed.
+(running.py, Running.cut_off and Running.lease_lost) lets go of the jobs whose lease lapsed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _EXECUTOR = str(Path(__file__).with_name("executor.py"))
 _MAINTENANCE = str(Path(__file__).parent.parent / "_maintenance") + os.sep
 
 
-Held = list[tuple[int, int]]  # (job id, attempt)
+Keys = list[tuple[int, int]]  # (job id, attempt)
 
 
 class Heartbeat:
@@ -50,7 +50,7 @@ class Heartbeat:
         worker_id: str,
         *,
         lease: float,
-        held: Callable[[], Held],
+        renew: Callable[[], Keys],
         running_tasks: Callable[[], list[str]],
         on_lost: Callable[[set[tuple[int, int]]], None],
         on_cut_off: Callable[[float], None] = lambda _: None,
@@ -59,7 +59,9 @@ class Heartbeat:
         self._worker_id = worker_id
         self._lease = lease
         self.interval = lease / 3
-        self._held = held  # must be safe to call from the heartbeat thread
+        # The (id, attempt) whose lease each beat extends (Running.leased); must be safe to
+        # call from the heartbeat thread.
+        self._renew = renew
         self._running_tasks = running_tasks  # likewise
         self._on_lost = on_lost  # called on the loop
         self._on_cut_off = on_cut_off  # likewise
@@ -68,7 +70,7 @@ class Heartbeat:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._last_tick = time.monotonic()
-        # When a beat last reached the database (or nothing was held, so nothing could lapse).
+        # When a beat last reached the database (or had nothing to renew, so nothing could lapse).
         # Not moved while the loop is stalled: the cut-off (_watch_lease) must then fire.
         self._last_ok = time.monotonic()
         self._errors_seen: set[str] = set()
@@ -275,8 +277,8 @@ class Heartbeat:
     def _beat(
         self, conn: psycopg.Connection[tuple[object, ...]] | None
     ) -> psycopg.Connection[tuple[object, ...]] | None:
-        held = self._held()
-        if not held:
+        leased = self._renew()
+        if not leased:
             self._last_ok = time.monotonic()
             return conn
         sent = time.monotonic()
@@ -284,7 +286,7 @@ class Heartbeat:
             if conn is None or conn.closed:
                 conn = self._connect()
             cur = conn.execute(self._db.sql.job_heartbeat_many, {
-                "ids": [i for i, _ in held], "attempts": [a for _, a in held],
+                "ids": [i for i, _ in leased], "attempts": [a for _, a in leased],
                 "worker": self._worker_id})
             kept = {(int(r[0]), int(r[1])) for r in cur.fetchall()}  # type: ignore[call-overload]
         except psycopg.Error as e:
@@ -294,7 +296,7 @@ class Heartbeat:
         self._last_ok = sent
         self._errors_seen.clear()
         self.beats += 1
-        lost = set(held) - kept
+        lost = set(leased) - kept
         if lost and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._lost_on_loop, lost)
@@ -312,8 +314,8 @@ class Heartbeat:
                 exc_info=not isinstance(e, psycopg.Error))
 
     def _lost_on_loop(self, lost: set[tuple[int, int]]) -> None:
-        # Only attempts still held now were lost; the others finished while the UPDATE ran.
-        lost &= set(self._held())
+        # Only attempts still leased now were lost; the others finished while the UPDATE ran.
+        lost &= set(self._renew())
         if lost:
             self._on_lost(lost)
 
