@@ -13,7 +13,8 @@ PACKAGE = Path(asyncjobq.__file__).parent
 
 # Bottom up. A module may import modules of its own layer and of the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("types", ("asyncjobq.errors", "asyncjobq.job", "asyncjobq.task", "asyncjobq.hooks")),
+    ("types", ("asyncjobq.errors", "asyncjobq._checks", "asyncjobq.job", "asyncjobq.task",
+               "asyncjobq.hooks")),
     ("database access", ("asyncjobq._db",)),
     ("worker machinery", ("asyncjobq._worker",)),
     ("maintenance services", ("asyncjobq._maintenance",)),
