@@ -22,7 +22,7 @@ from psycopg_pool import PoolTimeout
 
 from .._db.database import Database
 from .._db.heldconn import HeldConnection
-from .._db.retrying import RETRYABLE, Retry
+from .._db.retrying import RETRYABLE, Backoff, RetryPolicy
 from ..errors import reason
 from ..job import Job
 
@@ -45,22 +45,6 @@ HELD_RETRY = 0.1
 # claimed again at once, and every such claim queues on the task's lock in flow_admit with the
 # other workers' claims of it.
 RATE_RETRY = 0.02
-
-
-class _Doubling:
-    """A wait that starts at `first` and doubles each time it is taken, up to `cap`, until
-    reset: held-back claims retried while a limit stays full."""
-
-    def __init__(self, first: float, cap: float) -> None:
-        self._first = self._now = min(first, cap)
-        self._cap = cap
-
-    def next(self) -> float:
-        wait, self._now = self._now, min(self._cap, 2 * self._now)
-        return wait
-
-    def reset(self) -> None:
-        self._now = self._first
 
 
 class Wakeup:
@@ -156,8 +140,8 @@ class Fetcher:
         # While claims come back with nothing because a limit holds their rows back, they
         # are retried after this long, doubling up to poll_interval: a limit that stays full
         # costs a claim a poll_interval.
-        self._held_retry = _Doubling(HELD_RETRY, poll_interval)
-        self._rate_retry = _Doubling(RATE_RETRY, poll_interval)
+        self._held_retry = Backoff(HELD_RETRY, poll_interval)
+        self._rate_retry = Backoff(RATE_RETRY, poll_interval)
 
     @property
     def single_queue(self) -> bool:
@@ -368,7 +352,7 @@ class Fetcher:
             await self._run()
 
     async def _run(self) -> None:
-        retry = Retry(log, "claiming jobs")
+        retry = RetryPolicy(log, "claiming jobs")
         while not self.stopping:
             free = self._free()
             if free <= 0:

@@ -15,7 +15,7 @@ import anyio
 from psycopg import AsyncConnection, sql
 
 from .._db.dsn import redact
-from .._db.retrying import RETRYABLE, Retry
+from .._db.retrying import RETRYABLE, RetryPolicy
 
 log = logging.getLogger("asyncjobq.listener")
 RETRY_ON: tuple[type[Exception], ...] = (*RETRYABLE, OSError)
@@ -41,7 +41,7 @@ class Listener:
         self.connected = anyio.Event()
         self.connects = 0
         self.backend_pid: int | None = None
-        self._retry = Retry(log, f"LISTEN connection to {redact(dsn)}")
+        self._retry = RetryPolicy(log, f"LISTEN connection to {redact(dsn)}")
 
     async def run(self) -> None:
         retry = self._retry

@@ -17,7 +17,7 @@ import logging
 import anyio
 
 from .._db.database import Database
-from .._db.retrying import RETRYABLE, Retry
+from .._db.retrying import RETRYABLE, RetryPolicy
 from ..job import Job
 from ..task import Task
 
@@ -32,7 +32,7 @@ class Mover:
         # (a script enqueueing thousands from the CLI would flood the log).
         self._logged: set[str] = set()
         self.moved = 0
-        self._retry = Retry(log, "moving a job to its task's queue")
+        self._retry = RetryPolicy(log, "moving a job to its task's queue")
 
     async def move(self, job: Job, task: Task) -> bool:
         """Move `job` (claimed by this worker, its handler not called) to `task.queue`; False
