@@ -14,7 +14,7 @@ PACKAGE = Path(asyncjobq.__file__).parent
 # Bottom up. A module may import modules of its own layer and of the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("types", ("asyncjobq.errors", "asyncjobq._checks", "asyncjobq.job", "asyncjobq.task",
-               "asyncjobq.hooks")),
+               "asyncjobq.hooks", "asyncjobq.schedule", "asyncjobq.retention")),
     ("database access", ("asyncjobq._db",)),
     ("worker machinery", ("asyncjobq._worker",)),
     ("maintenance services", ("asyncjobq._maintenance",)),

@@ -1,4 +1,8 @@
-"""asyncjobq: an asyncio job queue on PostgreSQL. See docs/index.md."""
+"""asyncjobq: an asyncio job queue on PostgreSQL. See docs/index.md.
+
+`__all__` is the supported surface of the package itself, with the modules testing, hooks,
+metrics, tracing and dashboard (docs/reference/api.md says what else is machinery).
+"""
 
 from .errors import (
     AppImportError,
@@ -16,6 +20,8 @@ from .errors import (
 )
 from .job import Fail, Job, JobInfo, Retry, RetryResult
 from .queue import Queue
+from .retention import Retention
+from .schedule import Schedule
 from .task import Task
 from .worker import Worker
 
@@ -35,9 +41,11 @@ __all__ = [
     "JobInfo",
     "Queue",
     "QueueClosedError",
+    "Retention",
     "Retry",
     "RetryRaceError",
     "RetryResult",
+    "Schedule",
     "SchemaNotInstalledError",
     "SchemaVersionError",
     "Task",

@@ -9,8 +9,6 @@ age; `prune_failed` deletes them only when asked to.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +16,9 @@ import anyio
 import anyio.lowlevel
 
 from .._db.database import Database
-from ..errors import ConfigurationError
+from ..retention import Age as Age
+from ..retention import Retention as Retention
+from ..retention import seconds as seconds
 from .services import Service
 
 log = logging.getLogger("asyncjobq.pruner")
@@ -27,52 +27,6 @@ DEFAULT_RETENTION = timedelta(days=1)
 PRUNE_BATCH = 5000
 # Per maintenance turn; a backlog bigger than this is worked off over the next turns.
 MAX_BATCHES_PER_TURN = 20
-
-Age = float | timedelta | None
-
-
-def seconds(what: str, age: Age) -> float | None:
-    """A retention as seconds (None keeps forever); refuses what is not a positive duration."""
-    if age is None:
-        return None
-    if isinstance(age, timedelta):
-        value = age.total_seconds()
-    elif isinstance(age, int | float) and not isinstance(age, bool):
-        value = float(age)
-    else:
-        raise ConfigurationError(
-            f"{what}={age!r}: use a timedelta or a number of seconds > 0, or None to keep "
-            "finished jobs forever")
-    if not value > 0:
-        raise ConfigurationError(f"{what}={age!r}: use a duration greater than 0")
-    return value
-
-
-@dataclass(frozen=True)
-class Retention:
-    """How long finished (done, cancelled) jobs stay in history, by default and per queue."""
-
-    default: float | None
-    per_queue: tuple[tuple[str, float | None], ...] = ()
-
-    @classmethod
-    def of(cls, default: Age, per_queue: Mapping[str, Age] | None = None) -> Retention:
-        if per_queue is not None and not isinstance(per_queue, Mapping):
-            raise ConfigurationError(
-                f"queue_retention={per_queue!r}: use a dict of queue name -> duration")
-        pairs = tuple(sorted((str(q), seconds(f"queue_retention[{q!r}]", a))
-                             for q, a in (per_queue or {}).items()))
-        return cls(seconds("retention", default), pairs)
-
-    @property
-    def min_age(self) -> float | None:
-        ages = [a for a in (self.default, *(a for _, a in self.per_queue)) if a is not None]
-        return min(ages) if ages else None
-
-    def params(self, limit: int) -> dict[str, Any]:
-        return {"queues": [q for q, _ in self.per_queue], "ages": [a for _, a in self.per_queue],
-                "default_age": self.default, "min_age": self.min_age, "limit": limit}
-
 
 def _add(total: dict[str, int], rows: list[tuple[Any, ...]]) -> int:
     n = 0
