@@ -1,5 +1,4 @@
-"""Helpers for testing an app's jobs on a real PostgreSQL (DESIGN §12,
-docs/guides/testing.md).
+"""Helpers for testing an app's jobs on a real PostgreSQL (docs/guides/testing.md).
 
 A test, in short::
 

@@ -1,4 +1,5 @@
-"""The worker: one event loop holding a LISTEN connection, a pool, and the parts of DESIGN §4.
+"""The worker: one event loop holding a LISTEN connection, a pool, and the parts below
+(docs/how-it-works/architecture.md).
 
     listener -> fetcher -> bounded handler tasks -> completer
                 heartbeat (extends leases, its own thread)
@@ -59,7 +60,7 @@ def _positive(name: str, value: object, *, integer: bool, least: float | None = 
 
 
 def default_batch_size(concurrency: int) -> int:
-    """10 (DESIGN's default, at the default concurrency 20), or half the slots, up to 100.
+    """10 at the default concurrency 20, or half the slots, up to 100.
 
     Claims are sized to free slots; a fixed 10 caps a worker with hundreds of slots at about
     10 jobs per claim round trip (7,000 jobs/s for 5 ms jobs at concurrency 200, where half

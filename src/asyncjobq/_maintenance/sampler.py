@@ -1,7 +1,8 @@
-"""The queue-depth sampler (DESIGN §10): on the leader only, every `interval` seconds, one
-read of the jobs by queue and status, handed to `publish` (the Prometheus gauge). A scrape then
-reads memory: a fleet of workers scraped every few seconds does not become a storm of count
-queries, and the database is asked once per interval whatever the number of workers."""
+"""The queue-depth sampler (docs/reference/metrics.md): on the leader only, every `interval`
+seconds, one read of the jobs by queue and status, handed to `publish` (the Prometheus gauge).
+A scrape then reads memory: a fleet of workers scraped every few seconds does not become a
+storm of count queries, and the database is asked once per interval whatever the number of
+workers."""
 
 from __future__ import annotations
 
