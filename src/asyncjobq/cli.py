@@ -23,6 +23,7 @@ import click
 import psycopg
 
 from . import runtime
+from ._checks import check_queue_name
 from ._db import migrations
 from ._db.dsn import check_dsn, validate_schema
 from .errors import (
@@ -34,7 +35,7 @@ from .errors import (
     a_or_an,
     reason,
 )
-from .queue import Queue, check_queue_name
+from .queue import Queue
 from .worker import Worker
 
 F = TypeVar("F", bound=Callable[..., Any])

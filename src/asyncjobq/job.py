@@ -3,21 +3,14 @@ handlers may raise."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-# A sanity bound far below where PostgreSQL's timestamps overflow (294276 AD): a longer delay
-# would fail the statement that stores it (a completer's flush, with the whole batch in it).
-MAX_DELAY = 10_000 * 365.25 * 86400.0
-
-
-def is_delay(value: object) -> bool:
-    """Seconds a job can be put off by: a finite number from 0 to MAX_DELAY."""
-    return (not isinstance(value, bool) and isinstance(value, int | float)
-            and math.isfinite(value) and 0 <= value <= MAX_DELAY)
-
+# Retry checks its delay as an enqueue does; both names stay importable from here, where the
+# worker machinery (_worker/outcome.py) takes them.
+from ._checks import MAX_DELAY as MAX_DELAY
+from ._checks import is_delay as is_delay
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 STATUSES: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cancelled")

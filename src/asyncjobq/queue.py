@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -17,11 +16,32 @@ from typing import Any
 import psycopg
 import psycopg.errors
 from psycopg.sql import Composed
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import AsyncConnectionPool
 
 from . import tracing
+from ._checks import (
+    check_conn,
+    check_dedup_key,
+    check_flow_limit,
+    check_int,
+    check_key,
+    check_limit,
+    check_max_attempts,
+    check_name,
+    check_task_name,
+    check_text_filter,
+    check_timeout,
+    check_timing,
+    encode_keys,
+    encode_payload,
+    encode_payload_array,
+    int_between,
+    is_positive,
+    parse_rate,
+)
+from ._checks import check_queue_name as check_queue_name  # worker.py, dashboard
 from ._db import migrations
-from ._db.database import NOT_OPEN, Conn, Database, storable
+from ._db.database import NOT_OPEN, Conn, Database
 from ._db.dsn import check_dsn, validate_schema
 from ._db.inserter import Inserter, write
 from ._db.sql import Statements
@@ -47,14 +67,18 @@ from .errors import (
     InvalidPayloadError,
     QueueClosedError,
     RetryRaceError,
-    a_or_an,
     reason,
 )
 from .hooks import Hooks, Middleware
-from .job import MAX_DELAY, STATUSES, JobDetail, JobInfo, JobPage, JobSummary, RetryResult
-from .task import Backoff, Handler, Task, parse_rate
+from .job import STATUSES, JobDetail, JobInfo, JobPage, JobSummary, RetryResult
+from .task import Backoff, Handler, Task, name_of
 
 log = logging.getLogger("asyncjobq.queue")
+
+# Under their former names for the modules that still import them from here (worker.py,
+# testing.py): the checks themselves live in _checks.
+_check_name = check_name
+_encode_payload = encode_payload
 
 
 class Queue:
@@ -96,8 +120,7 @@ class Queue:
         schema = validate_schema(schema)
         # How long done/cancelled jobs stay queryable in history; workers prune past it.
         self.retention = Retention.of(retention, queue_retention)
-        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int | float) \
-                or not math.isfinite(connect_timeout) or connect_timeout <= 0:
+        if not is_positive(connect_timeout):
             raise ConfigurationError(f"connect_timeout={connect_timeout!r}: use a number of "
                                      "seconds above 0, e.g. 10")
         if pool_min_size < 0 or pool_max_size < max(1, pool_min_size):
@@ -227,17 +250,13 @@ class Queue:
             rate_limit: at most N starts per period across the fleet: "N/s", "N/m", "N/h".
         """
         check_queue_name(queue)
-        _check_max_attempts(max_attempts)
-        _check_int("priority", priority)
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
-            raise ConfigurationError(f"timeout={timeout!r}: use a number of seconds > 0, or None")
+        check_max_attempts(max_attempts)
+        check_int("priority", priority)
+        check_timeout(timeout)
         # A bad expression or timezone fails here, at the decorator, before the handler exists.
         clock = cron_clock(cron, timezone_of(timezone)) if cron is not None else None
-        for what, limit in (("concurrency_limit", concurrency_limit), ("key_limit", key_limit)):
-            if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
-                                      or not 1 <= limit <= 1_000_000):
-                raise ConfigurationError(f"{what}={limit!r}: use a whole number of jobs from 1 "
-                                         "to 1000000, or None for no limit")
+        check_flow_limit("concurrency_limit", concurrency_limit)
+        check_flow_limit("key_limit", key_limit)
         if rate_limit is not None:
             parse_rate(rate_limit)
         if cron is None and timezone != "UTC":
@@ -246,7 +265,7 @@ class Queue:
 
         def register(fn: Handler) -> Task:
             task_name = name or f"{fn.__module__}.{fn.__qualname__}"
-            _check_task_name(task_name)
+            check_task_name(task_name)
             if task_name in self.tasks:
                 raise ConfigurationError(
                     f"task {task_name!r} is registered twice: give one of them another name="
@@ -301,7 +320,7 @@ class Queue:
             catch_up: after ticks were missed while no worker ran for longer than two leases,
                 enqueue all of them (at most 100) instead of only the latest.
         """
-        task_name = _task_name(task)
+        task_name = name_of(task)
         if (cron is None) == (every is None):
             raise ConfigurationError(
                 f"periodic({task_name!r}): pass exactly one of cron= (e.g. '*/15 * * * *') "
@@ -317,14 +336,14 @@ class Queue:
         clock: Clock | None = cron_clock(cron, zone) if cron is not None else None
         seconds = every_seconds(every) if every is not None else None
         schedule_name = task_name if name is None else name
-        _check_name("schedule name", schedule_name, "nightly-report")
-        body = _encode_payload(payload)
+        check_name("schedule name", schedule_name, "nightly-report")
+        body = encode_payload(payload)
         if queue is not None:
             check_queue_name(queue)
         if priority is not None:
-            _check_int("priority", priority)
+            check_int("priority", priority)
         if max_attempts is not None:
-            _check_max_attempts(max_attempts)
+            check_max_attempts(max_attempts)
         if not isinstance(catch_up, bool):
             raise ConfigurationError(f"catch_up={catch_up!r}: use True or False")
         self._check_schedule_name(schedule_name)
@@ -506,15 +525,12 @@ class Queue:
         workers, only if that transaction commits. `key` (e.g. "account:42") puts the job in
         that key's line when its task has a key_limit.
         """
-        _check_conn(conn)
+        check_conn(conn)
         name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
-        body = _encode_payload(payload)
-        when, secs = _schedule(run_at, delay)
-        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key
-                                      or not _storable(dedup_key)):
-            raise ConfigurationError(f"dedup_key={dedup_key!r}: use a non-empty string without "
-                                     "NUL or unpaired surrogates, or None")
-        _check_key("key", key)
+        body = encode_payload(payload)
+        when, secs = check_timing(run_at, delay)
+        check_dedup_key(dedup_key)
+        check_key("key", key)
         send = tracing.producer(name, q)
         if send is None:
             return await self._enqueue(name, body, q, prio, when, secs, attempts, dedup_key,
@@ -592,18 +608,18 @@ class Queue:
 
         `keys`, one per payload (None: no key), as `enqueue(key=)` takes them.
         """
-        _check_conn(conn)
+        check_conn(conn)
         name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
         if isinstance(payloads, dict | str | bytes):
             raise InvalidPayloadError(
                 "enqueue_many takes a list of payload dicts: wrap a single payload in a list, "
                 "or call enqueue()"
             )
-        array = _encode_payload_array(payloads)
-        key_array = _encode_keys(keys, len(payloads))
+        array = encode_payload_array(payloads)
+        key_array = encode_keys(keys, len(payloads))
         if array == "[]":
             return []
-        when, secs = _schedule(run_at, delay)
+        when, secs = check_timing(run_at, delay)
         n = len(payloads)
         send = tracing.producer(name, q, n)
         if send is None:
@@ -638,15 +654,8 @@ class Queue:
     def _defaults(
         self, task: str | Task, queue: str | None, priority: int | None, max_attempts: int | None
     ) -> tuple[str, str, int, int]:
-        t = task if isinstance(task, Task) else None
-        if t is None:
-            if not isinstance(task, str):
-                raise ConfigurationError(
-                    f"task={task!r}: pass the task's name (a string) or the Task object"
-                )
-            _check_task_name(task)
-            t = self.tasks.get(task)
-        name = t.name if t else str(task)
+        name = name_of(task)
+        t = task if isinstance(task, Task) else self.tasks.get(name)
         q = queue if queue is not None else (t.queue if t else "default")
         prio = priority if priority is not None else (t.priority if t else 0)
         attempts = max_attempts if max_attempts is not None else (t.max_attempts if t else 3)
@@ -655,15 +664,15 @@ class Queue:
             raise ConfigurationError(
                 f"{why}: enqueue it there (leave out queue=), or declare the task on "
                 f"{q!r} with @queue.task(queue={q!r}, ...)")
-        _check_int("priority", prio)
-        _check_max_attempts(attempts)
+        check_int("priority", prio)
+        check_max_attempts(attempts)
         return name, q, prio, attempts
 
     # --- admin -----------------------------------------------------------------------------
 
     async def get(self, job_id: int) -> JobInfo | None:
         """The job's current row, from the live table or the history; None if unknown."""
-        _check_int("job_id", job_id, bits=64)
+        check_int("job_id", job_id, bits=64)
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_get_by_id, {"id": job_id})
             row = await cur.fetchone()
@@ -691,12 +700,10 @@ class Queue:
         `max_id`: only jobs with an id up to it (those a preview counted); `limit`: at most
         that many of the matching jobs, the newest (a preview's count)."""
         if max_id is not None:
-            _check_int("max_id", max_id, bits=64)
-        _check_limit(limit)
+            check_int("max_id", max_id, bits=64)
+        check_limit(limit)
         for what, value in (("queue", queue), ("task", task), ("error_like", error_like)):
-            if value is not None and (not isinstance(value, str) or not _storable(value)):
-                raise ConfigurationError(f"{what}={value!r}: use a string without NUL or "
-                                         "unpaired surrogates, or None")
+            check_text_filter(what, value)
         params = {"queue": queue, "task": task, "error_like": error_like,
                   "max_id": max_id, "limit": limit, "channel": self.channel}
         row = await self._requeue_failed(
@@ -839,7 +846,7 @@ class Queue:
 
     async def cancel(self, job_id: int) -> bool:
         """Cancel a queued job; False if it is not queued (running, finished or unknown)."""
-        _check_int("job_id", job_id, bits=64)
+        check_int("job_id", job_id, bits=64)
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_cancel, (job_id,))
             return await cur.fetchone() is not None
@@ -854,8 +861,8 @@ class Queue:
         task when given. Pages cost the same at any history size (0008_browse_indexes.sql)."""
         params = _browse_filters(queue, status, task)
         if before is not None:
-            _check_int("before", before, bits=64)
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            check_int("before", before, bits=64)
+        if not int_between(limit, 1, 1000):
             raise ConfigurationError(f"limit={limit!r}: use an integer from 1 to 1000")
         params.update(before=2**63 - 1 if before is None else before, limit=limit + 1)
         statement = self.sql.job_page(queue=queue is not None, task=task is not None,
@@ -874,7 +881,7 @@ class Queue:
         failed), as history is counted per queue, not per id."""
         params = _browse_filters(queue, status, task)
         if max_id is not None:
-            _check_int("max_id", max_id, bits=64)
+            check_int("max_id", max_id, bits=64)
             if status not in ("queued", "running", "failed"):
                 raise ConfigurationError(f"max_id with status={status!r}: pass status "
                                          "queued, running or failed (history is counted per "
@@ -889,7 +896,7 @@ class Queue:
 
     async def get_detail(self, job_id: int) -> JobDetail | None:
         """The job in full (payload, last error, timestamps, worker); None if unknown."""
-        _check_int("job_id", job_id, bits=64)
+        check_int("job_id", job_id, bits=64)
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_detail_by_id, {"id": job_id})
             row = await cur.fetchone()
@@ -899,7 +906,7 @@ class Queue:
         """Requeue one failed (dead-lettered) job, attempts reset; False when it is not failed,
         or when another job holds its dedup_key (queued or running): retry it once that one
         has finished."""
-        _check_int("job_id", job_id, bits=64)
+        check_int("job_id", job_id, bits=64)
         row = await self._requeue_failed(
             self.sql.job_retry_one, {"id": job_id, "channel": self.channel},
             f"retry({job_id}) kept racing with enqueues of its dedup_key (10 tries): call "
@@ -914,9 +921,9 @@ class Queue:
         the newest (a preview's count)."""
         params = _browse_filters(queue, None, task)
         if max_id is not None:
-            _check_int("max_id", max_id, bits=64)
+            check_int("max_id", max_id, bits=64)
             params["max_id"] = max_id
-        _check_limit(limit)
+        check_limit(limit)
         params["limit"] = limit
         statement = self.sql.job_cancel_queued(queue=queue is not None, task=task is not None,
                                                max_id=max_id is not None,
@@ -930,7 +937,7 @@ class Queue:
         """Jobs finished per minute over the last `minutes` (1 to 1440): (minute, queue,
         status, count) rows, oldest first, for the minutes that had any; status is done,
         cancelled or failed. Reads the history of that span (its BRIN index)."""
-        if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 1440:
+        if not int_between(minutes, 1, 1440):
             raise ConfigurationError(f"minutes={minutes!r}: use an integer from 1 to 1440")
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.throughput_per_minute, {"m": minutes})
@@ -941,8 +948,7 @@ class Queue:
         holding jobs now, those that finished one in the last `within` seconds, and the
         leader. An idle worker that is not the leader is not seen (there is no table of
         workers)."""
-        if isinstance(within, bool) or not isinstance(within, int | float) \
-                or not math.isfinite(within) or within <= 0:
+        if not is_positive(within):
             raise ConfigurationError(f"within={within!r}: use a number of seconds above 0")
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.workers_seen, {"secs": float(within)})
@@ -963,194 +969,12 @@ _MANY_UNSURE = ("enqueueing them again may create them twice: look for them firs
                 "each with a dedup_key")
 
 
-def _encode_payload(payload: object, index: int | None = None) -> str:
-    where = "payload" if index is None else f"payloads[{index}]"
-    if payload is None:
-        payload = {}
-    if not isinstance(payload, dict):
-        raise InvalidPayloadError(
-            f"{where} must be a dict (a JSON object), got {type(payload).__name__}: "
-            "wrap the value, e.g. {'value': ...}"
-        )
-    try:
-        body = json.dumps(payload, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise InvalidPayloadError(
-            f"{where} is not JSON-serialisable ({e}): pass only dicts, lists, str, int, "
-            "finite float, bool and None (convert dates, Decimals and objects first)"
-        ) from None
-    # jsonb refuses \u0000 and unpaired surrogates with a bare psycopg error; both show up
-    # in the ASCII-escaped text, so only then is the payload walked to name the culprit.
-    if "\\u0000" in body or "\\ud" in body:
-        bad = _unstorable_string(payload)
-        if bad is not None:
-            raise InvalidPayloadError(
-                f"{where} contains the string {bad!r}, which PostgreSQL cannot store (NUL or "
-                "an unpaired surrogate): remove the character, or send binary data as base64"
-            )
-    return body
-
-
-def _encode_payload_array(payloads: Iterable[object]) -> str:
-    """All payloads as one JSON array: one encoder call and one parameter for the batch.
-
-    Per-payload encoding cost as much as the INSERT itself; each payload is encoded alone
-    only to name the one at fault.
-    """
-    items = [{} if p is None else p for p in payloads]
-    if not all(isinstance(p, dict) for p in items):
-        _encode_each(items)
-    try:
-        body = json.dumps(items, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        _encode_each(items)
-        raise InvalidPayloadError(f"payloads are not JSON-serialisable ({e})") from None
-    if "\\u0000" in body or "\\ud" in body:
-        _encode_each(items)
-    return body
-
-
-def _encode_each(payloads: list[object]) -> None:
-    """Encode payloads one by one: raises the error naming the first one at fault."""
-    for i, p in enumerate(payloads):
-        _encode_payload(p, index=i)
-
-
-_storable = storable
-
-
-def _unstorable_string(value: object) -> str | None:
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            if not _storable(v):
-                return v if len(v) <= 40 else v[:40] + "..."
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list | tuple):
-            stack.extend(v)
-    return None
-
-
-def _check_key(what: str, key: object) -> None:
-    # Bytes, not characters: the key is in an index entry (0007_flow_control.sql), whose
-    # size PostgreSQL caps near 2,700 bytes.
-    if key is not None and (not isinstance(key, str) or not key or len(key) > 1000
-                            or not _storable(key) or len(key.encode()) > 1000):
-        raise ConfigurationError(f"{what}={key!r}: use a non-empty string of at most 1000 "
-                                 "bytes (UTF-8) without NUL or unpaired surrogates (e.g. "
-                                 "\"account:42\"), or None")
-
-
-def _encode_keys(keys: object, n: int) -> str | None:
-    """enqueue_many's keys as a JSON array, None when no job has one."""
-    if keys is None:
-        return None
-    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
-        raise ConfigurationError(f"keys={keys!r}: pass a list with one key (or None) per "
-                                 "payload, e.g. keys=[\"account:1\", \"account:2\"]")
-    if len(keys) != n:
-        raise ConfigurationError(f"keys has {len(keys)} item(s) for {n} payload(s): pass one "
-                                 "key (or None) per payload, in the same order")
-    for i, key in enumerate(keys):
-        _check_key(f"keys[{i}]", key)
-    return json.dumps(list(keys)) if any(k is not None for k in keys) else None
-
-
-def _schedule(
-    run_at: datetime | None, delay: float | timedelta | None
-) -> tuple[datetime | None, float]:
-    if run_at is not None:
-        if not isinstance(run_at, datetime):
-            raise ConfigurationError(f"run_at={run_at!r}: pass a datetime with a timezone")
-        if run_at.tzinfo is None or run_at.utcoffset() is None:
-            raise ConfigurationError(
-                f"run_at={run_at!r} has no timezone: use e.g. datetime.now(timezone.utc)"
-            )
-    secs = 0.0
-    if delay is not None:
-        secs = delay.total_seconds() if isinstance(delay, timedelta) else delay
-        if isinstance(secs, bool) or not isinstance(secs, int | float) or not math.isfinite(secs) \
-                or secs < 0:
-            raise ConfigurationError(f"delay={delay!r}: use seconds >= 0 or a timedelta")
-        if secs > MAX_DELAY:
-            raise ConfigurationError(f"delay={delay!r} is over 10,000 years: use a run_at or a "
-                                     "shorter delay")
-    return run_at, float(secs)
-
-
-def _check_conn(conn: object) -> None:
-    # A sync connection runs the INSERT (blocking the event loop) and only then fails to be
-    # awaited: the job exists in the caller's transaction while they see an error, and retry.
-    if conn is None or isinstance(conn, psycopg.AsyncConnection):
-        return
-    if isinstance(conn, psycopg.Connection):
-        got = "a sync psycopg.Connection, which would block the event loop"
-    elif isinstance(conn, AsyncConnectionPool | ConnectionPool):
-        got = f"a pool ({type(conn).__name__}): take a connection from it"
-    else:
-        got = a_or_an(type(conn).__name__)
-    raise ConfigurationError(
-        f"conn= takes a psycopg.AsyncConnection, got {got}: pass one from `async with "
-        "queue.connection() as conn` or from your async pool (`async with pool.connection() "
-        "as conn`), or leave conn=None to enqueue in a transaction of its own")
-
-
-def _check_int(what: str, value: object, bits: int = 32) -> None:
-    limit = 2 ** (bits - 1)
-    if isinstance(value, bool) or not isinstance(value, int) or not -limit <= value < limit:
-        raise ConfigurationError(f"{what}={value!r}: use a {bits}-bit integer")
-
-
-def _check_limit(limit: object) -> None:
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                              or limit < 1):
-        raise ConfigurationError(f"limit={limit!r}: use a whole number from 1, or None for "
-                                 "every matching job")
-
-
-def _check_max_attempts(value: object) -> None:
-    _check_int("max_attempts", value)
-    assert isinstance(value, int)
-    if value < 1:
-        raise ConfigurationError(f"max_attempts={value!r}: use 1 or more")
-
-
-def _check_name(what: str, value: object, example: str) -> None:
-    if not isinstance(value, str) or not value or len(value) > 200 or not _storable(value):
-        raise ConfigurationError(
-            f"{what} {value!r} is invalid: use a non-empty string of at most 200 characters "
-            f"without NUL or unpaired surrogates (e.g. {example!r})"
-        )
-
-
-def check_queue_name(value: object) -> None:
-    """ConfigurationError naming the rule unless `value` can be a queue's name."""
-    _check_name("queue", value, "default")
-
-
-def _check_task_name(value: object) -> None:
-    _check_name("task", value, "send_email")
-
-
-def _task_name(task: object) -> str:
-    if isinstance(task, Task):
-        return task.name
-    if not isinstance(task, str):
-        raise ConfigurationError(
-            f"task={task!r}: pass the task's name (a string) or the Task object")
-    _check_task_name(task)
-    return task
-
-
 def _browse_filters(queue: object, status: object, task: object) -> dict[str, Any]:
     """The bound parameters of a browse statement; ConfigurationError naming a bad filter."""
     if queue is not None:
         check_queue_name(queue)
     if task is not None:
-        _check_task_name(task)
+        check_task_name(task)
     if status is not None and status not in STATUSES:
         raise ConfigurationError(f"status={status!r}: use one of {', '.join(STATUSES)}, "
                                  "or None for all")

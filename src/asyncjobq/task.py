@@ -3,35 +3,40 @@
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ._checks import check_task_name, parse_rate
 from .errors import ConfigurationError
 from .job import Job
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
-    from .queue import Queue
-
 Handler = Callable[[Job], Awaitable[object]] | Callable[[Job], object]
 Backoff = Callable[[int], float]
 
-_RATE_RE = re.compile(r"^\s*(\d+)\s*/\s*([smh])\s*$")
-_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+class TaskOwner(Protocol):
+    """What a Task needs of the Queue it is registered on: its `enqueue`, which takes the
+    options `Task.enqueue` spells out. A Protocol, not Queue: queue.py imports this module,
+    and importing it back would make the two modules a cycle."""
+
+    async def enqueue(self, task: str | Task, *args: Any, **options: Any) -> int: ...
 
 
-def parse_rate(rate: object) -> tuple[int, float]:
-    """"14/s" -> (14, 1.0): at most 14 starts per second across the fleet."""
-    m = _RATE_RE.match(rate) if isinstance(rate, str) else None
-    if m is None or int(m.group(1)) < 1 or int(m.group(1)) > 1_000_000:
+def name_of(task: object) -> str:
+    """The name of a task given as its Task or its name; ConfigurationError for anything
+    else, or for a name that cannot be a task's."""
+    if isinstance(task, Task):
+        return task.name
+    if not isinstance(task, str):
         raise ConfigurationError(
-            f"rate_limit={rate!r}: write starts per period as \"N/s\", \"N/m\" or \"N/h\" "
-            "with 1 <= N <= 1000000, e.g. rate_limit=\"14/s\"")
-    return int(m.group(1)), _PERIODS[m.group(2)]
+            f"task={task!r}: pass the task's name (a string) or the Task object")
+    check_task_name(task)
+    return task
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class Task:
         rate_limit: at most N starts per period across the fleet, e.g. "14/s".
     """
 
-    owner: Queue
+    owner: TaskOwner
     name: str
     handler: Handler
     queue: str = "default"

@@ -288,14 +288,3 @@ async def check_idle_connection(conn: Conn) -> None:
     poller.register(conn.fileno(), select.POLLIN)
     if poller.poll(0):
         await AsyncConnectionPool.check_connection(conn)
-
-
-def storable(text: str) -> bool:
-    """Whether PostgreSQL text can hold it: no NUL, and valid UTF-8 (no lone surrogates)."""
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

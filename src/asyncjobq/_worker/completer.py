@@ -21,7 +21,8 @@ from typing import Any
 import anyio
 from psycopg import AsyncConnection, sql
 
-from .._db.database import Database, storable
+from .._checks import storable_text
+from .._db.database import Database
 from .._db.heldconn import HeldConnection
 from .._db.retrying import RETRYABLE, Retry
 from .fetcher import Fetcher
@@ -29,14 +30,6 @@ from .outcome import Outcome
 
 log = logging.getLogger("asyncjobq.completer")
 ROLE = "complete"
-
-
-def _storable_error(error: str | None) -> str | None:
-    """An error text PostgreSQL can store: a NUL or a lone surrogate in an exception's message
-    would make the whole flush fail, every time it is retried."""
-    if error is None or storable(error):
-        return error
-    return error.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 class Completer:
@@ -184,9 +177,11 @@ class Completer:
     async def _write(self, held: HeldConnection | None, batch: list[Outcome], *,
                      fold: bool) -> None:
         """Write `batch` (already taken off the buffer); on error it goes back to the buffer."""
+        # storable_text: a NUL or a lone surrogate in one exception's message would otherwise
+        # fail the whole flush, every time it is retried.
         params: dict[str, object] = {
             "outcomes": json.dumps(
-                [[o.job_id, o.attempt, o.kind, o.delay, _storable_error(o.error)] for o in batch],
+                [[o.job_id, o.attempt, o.kind, o.delay, storable_text(o.error)] for o in batch],
                 separators=(",", ":")),
             "worker": self._worker_id,
         }
