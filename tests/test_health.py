@@ -15,8 +15,8 @@ import psycopg
 import pytest
 from conftest import execute, fetchval, run_cli, running, wait_for
 
-from asyncjobq import Job, Queue, Worker
-from asyncjobq._maintenance.pruner import Retention, prune_history
+from asyncjobq import Job, Queue, Retention, Worker
+from asyncjobq._maintenance.pruner import prune_history
 from asyncjobq.doctor import CLAIM_BLOCKS_PROBLEM, PROBLEM, Report, diagnose, explain_claim
 from asyncjobq.errors import ConfigurationError
 

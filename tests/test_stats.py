@@ -18,9 +18,9 @@ import pytest
 from conftest import execute, fetchval, run_cli, running, wait_for
 from psycopg import sql
 
-from asyncjobq import Fail, Job, Queue, Worker
+from asyncjobq import Fail, Job, Queue, Retention, Worker
 from asyncjobq._db import migrations
-from asyncjobq._maintenance.pruner import Pruner, Retention
+from asyncjobq._maintenance.pruner import Pruner
 
 # What an upgrade from version 2 applies: 0003 (the counts) and whatever came after it.
 LATER_THAN_2 = sorted(m.version for m in migrations.available() if m.version > 2)

@@ -61,6 +61,16 @@ def check_int(what: str, value: object, bits: int = 32) -> None:
         raise ConfigurationError(f"{what}={value!r}: use a {bits}-bit integer")
 
 
+def check_positive(name: str, value: object, *, integer: bool, least: float | None = None) -> None:
+    kinds = (int,) if integer else (int, float)
+    # `not value >= least` also refuses NaN; infinity too (a wait that never ends).
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) \
+            or (value <= 0 if least is None else not value >= least):
+        kind = "an integer" if integer else "a number of seconds"
+        bound = "greater than 0" if least is None else f"of at least {least:g}"
+        raise ConfigurationError(f"{name}={value!r}: use {kind} {bound}")
+
+
 def check_max_attempts(value: object) -> None:
     check_int("max_attempts", value)
     assert isinstance(value, int)

@@ -28,6 +28,7 @@ from ._checks import (
     check_limit,
     check_max_attempts,
     check_name,
+    check_queue_name,
     check_task_name,
     check_text_filter,
     check_timeout,
@@ -39,7 +40,6 @@ from ._checks import (
     is_positive,
     parse_rate,
 )
-from ._checks import check_queue_name as check_queue_name  # worker.py, dashboard
 from ._db import migrations
 from ._db.database import NOT_OPEN, Conn, Database
 from ._db.dsn import check_dsn, validate_schema
@@ -48,19 +48,11 @@ from ._db.sql import Statements
 from ._maintenance.periodic import (
     Clock,
     Every,
-    Schedule,
     cron_clock,
     every_seconds,
     timezone_of,
 )
-from ._maintenance.pruner import (
-    DEFAULT_RETENTION,
-    Age,
-    Retention,
-    prune_failed,
-    prune_history,
-    seconds,
-)
+from ._maintenance.pruner import DEFAULT_RETENTION, prune_failed, prune_history
 from .errors import (
     AsyncJobQError,
     ConfigurationError,
@@ -71,14 +63,12 @@ from .errors import (
 )
 from .hooks import Hooks, Middleware
 from .job import STATUSES, JobDetail, JobInfo, JobPage, JobSummary, RetryResult
+from .retention import Age, Retention, seconds
+from .schedule import Schedule
 from .task import Backoff, Handler, Task, name_of
 
 log = logging.getLogger("asyncjobq.queue")
 
-# Under their former names for the modules that still import them from here (worker.py,
-# testing.py): the checks themselves live in _checks.
-_check_name = check_name
-_encode_payload = encode_payload
 
 
 class Queue:
@@ -242,8 +232,8 @@ class Queue:
                 with an empty payload; e.g. `"0 3 * * *"`.
             timezone: the IANA timezone `cron` is read in.
             concurrency_limit: at most this many of the task's jobs run at once across every
-                worker of the fleet (DESIGN §13). Enforced in the claim; a job held back
-                stays queued and burns no attempt.
+                worker of the fleet (docs/guides/flow-control.md). Enforced in the claim; a job
+                held back stays queued and burns no attempt.
             key_limit: at most this many of the task's jobs with one `key` (enqueue(key=))
                 run at once, and a key's jobs start in (priority, run_at, id) order; 1 runs
                 each key's jobs one at a time. Jobs without a key are not limited by it.

@@ -31,6 +31,7 @@ import anyio
 import psycopg
 
 from . import tracing
+from ._checks import encode_payload, storable_text
 from ._db.dsn import check_dsn
 from ._db.sql import Statements, statements
 
@@ -41,7 +42,7 @@ from ._worker.threads import ThreadRunner
 from .errors import AsyncJobQError, ConfigurationError, a_or_an
 from .hooks import CallNext
 from .job import Job, JobInfo
-from .queue import Queue, _encode_payload
+from .queue import Queue
 from .task import Task
 
 __all__ = [
@@ -273,7 +274,7 @@ _NUMBERS = (int, float)
 def _as_json(payload: Mapping[str, Any]) -> dict[str, Any]:
     """`payload` as a job would carry it: through enqueue's own encoder (its refusals
     included) and back, so tuples become lists and keys strings."""
-    decoded: dict[str, Any] = json.loads(_encode_payload(dict(payload)))
+    decoded: dict[str, Any] = json.loads(encode_payload(dict(payload)))
     return decoded
 
 
@@ -439,17 +440,10 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
 
 async def _write(q: Queue, worker: str, o: _Outcome) -> None:
     params = {"outcomes": json.dumps([[o.job_id, o.attempt, o.kind, o.delay,
-                                       _storable(o.error)]]),
+                                       storable_text(o.error)]]),
               "worker": worker}
     async with q.connection() as conn:
         await conn.execute(q.sql.job_set_outcome_if_running_many, params)
-
-
-def _storable(error: str | None) -> str | None:
-    # A NUL or lone surrogate in an exception's text cannot be stored in a text column.
-    if error is None:
-        return None
-    return error.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 def _horizon(until: object) -> datetime | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
 import time
@@ -25,6 +24,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from . import metrics, tracing
+from ._checks import check_name, check_positive, check_queue_name
 from ._db import migrations
 from ._maintenance.leader import Elector
 from ._maintenance.pruner import Pruner
@@ -44,19 +44,9 @@ from ._worker.running import Running
 from ._worker.threads import ThreadRunner
 from .errors import ConfigurationError, reason
 from .job import Job
-from .queue import Queue, _check_name, check_queue_name
+from .queue import Queue
 
 log = logging.getLogger("asyncjobq.worker")
-
-
-def _positive(name: str, value: object, *, integer: bool, least: float | None = None) -> None:
-    kinds = (int,) if integer else (int, float)
-    # `not value >= least` also refuses NaN; infinity too (a wait that never ends).
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) \
-            or (value <= 0 if least is None else not value >= least):
-        kind = "an integer" if integer else "a number of seconds"
-        bound = "greater than 0" if least is None else f"of at least {least:g}"
-        raise ConfigurationError(f"{name}={value!r}: use {kind} {bound}")
 
 
 def default_batch_size(concurrency: int) -> int:
@@ -131,12 +121,12 @@ class Worker:
                 "queues is empty: use at least one queue name, e.g. queues=('default',)")
         for q in queues:
             check_queue_name(q)
-        _positive("concurrency", concurrency, integer=True)
+        check_positive("concurrency", concurrency, integer=True)
         if batch_size is None:
             batch_size = default_batch_size(concurrency)
-        _positive("batch_size", batch_size, integer=True)
-        _positive("lease", lease, integer=False)
-        _positive("poll_interval", poll_interval, integer=False)
+        check_positive("batch_size", batch_size, integer=True)
+        check_positive("lease", lease, integer=False)
+        check_positive("poll_interval", poll_interval, integer=False)
         if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, int | float) \
                 or shutdown_timeout < 0:
             raise ConfigurationError(
@@ -151,10 +141,10 @@ class Worker:
         self.listen = listen
         self.flush_interval = flush_interval
         self.reap_interval = reap_interval if reap_interval is not None else min(5.0, lease / 2)
-        _positive("prune_interval", prune_interval, integer=False)
+        check_positive("prune_interval", prune_interval, integer=False)
         self.prune_interval = float(prune_interval)
         if vacuum_interval is not None:
-            _positive("vacuum_interval", vacuum_interval, integer=False)
+            check_positive("vacuum_interval", vacuum_interval, integer=False)
         # None leaves the hot table to autovacuum alone.
         self.vacuum_interval = vacuum_interval
         if metrics_port is not None and (isinstance(metrics_port, bool)
@@ -163,7 +153,7 @@ class Worker:
             raise ConfigurationError(f"metrics_port={metrics_port!r}: use a TCP port number "
                                      "from 1 to 65535 (0 picks a free one), or None")
         # Each sample counts the jobs table: a tiny interval is the query storm it avoids.
-        _positive("metrics_interval", metrics_interval, integer=False, least=0.1)
+        check_positive("metrics_interval", metrics_interval, integer=False, least=0.1)
         if not isinstance(metrics_host, str) or not metrics_host:
             raise ConfigurationError(f"metrics_host={metrics_host!r}: use an address to listen "
                                      "on, e.g. '0.0.0.0' or '127.0.0.1'")
@@ -174,7 +164,7 @@ class Worker:
         self.metrics = metrics.collector(queue) if metrics_port is not None else None
         self.metrics_server: metrics.MetricsServer | None = None
         if name is not None:
-            _check_name("worker name", name, "web-1")
+            check_name("worker name", name, "web-1")
         # locked_by: unique per run, so a restarted worker of the same name is fenced off from
         # its predecessor's stale attempts.
         base = name or f"{socket.gethostname()}-{os.getpid()}"

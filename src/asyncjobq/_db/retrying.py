@@ -133,8 +133,3 @@ class RetryPolicy:
         if self.seen:
             self.seen.clear()
             self._log.info("%s works again", self._doing)
-
-
-# The worker's loops (_worker/) still import the old name, which is also asyncjobq.Retry's (a
-# job's snooze): remove once they import RetryPolicy.
-Retry = RetryPolicy

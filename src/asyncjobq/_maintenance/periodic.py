@@ -38,7 +38,6 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ..errors import ConfigurationError
-from ..schedule import Schedule as Schedule
 
 # The shortcuts cron users know; cronsim takes only fields.
 SHORTCUTS = {

@@ -16,9 +16,7 @@ import anyio
 import anyio.lowlevel
 
 from .._db.database import Database
-from ..retention import Age as Age
-from ..retention import Retention as Retention
-from ..retention import seconds as seconds
+from ..retention import Retention
 from .services import Service
 
 log = logging.getLogger("asyncjobq.pruner")

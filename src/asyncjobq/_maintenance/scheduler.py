@@ -37,7 +37,7 @@ import anyio.to_thread
 import psycopg
 
 from .._db.database import Database
-from .periodic import Schedule
+from ..schedule import Schedule
 from .services import Service
 
 log = logging.getLogger("asyncjobq.scheduler")

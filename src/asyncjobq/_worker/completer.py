@@ -24,7 +24,7 @@ from psycopg import AsyncConnection, sql
 from .._checks import storable_text
 from .._db.database import Database
 from .._db.heldconn import HeldConnection
-from .._db.retrying import RETRYABLE, Retry
+from .._db.retrying import RETRYABLE, RetryPolicy
 from .fetcher import Fetcher
 from .outcome import Outcome
 
@@ -144,7 +144,7 @@ class Completer:
 
     async def _lane(self, held: HeldConnection) -> None:
         async with held:
-            retry = Retry(log, "writing outcomes", first=0.05, seen=self._errors_seen)
+            retry = RetryPolicy(log, "writing outcomes", first=0.05, seen=self._errors_seen)
             while True:
                 batch = await self._next_batch()
                 try:
@@ -239,7 +239,7 @@ class Completer:
     async def drain(self, timeout: float) -> bool:
         """Shutdown: flush until nothing is buffered or in flight, or `timeout` passes; True
         when everything was written."""
-        retry = Retry(log, "final flush", first=0.2, most=1.0, seen=self._errors_seen)
+        retry = RetryPolicy(log, "final flush", first=0.2, most=1.0, seen=self._errors_seen)
         with anyio.move_on_after(timeout):
             while self._buffer or self._inflight:
                 if not self._buffer:

@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
+from .._checks import check_queue_name
 from ..errors import ConfigurationError
-from ..queue import check_queue_name
 from ._pages import filters_of, job_id_of, whole_number
 from ._security import FIELD
 from ._state import Dash, dash_of
