@@ -135,10 +135,10 @@ def test_the_layer_rule_catches_a_violation(tmp_path: Path) -> None:
     """The walk itself: machinery importing the public Queue is caught, TYPE_CHECKING is not."""
     fake = tmp_path / "fake.py"
     fake.write_text("from typing import TYPE_CHECKING\n"
-                    "from .._db.heldconn import HeldConnection\n"
+                    "from .._db.ownconn import OwnConnection\n"
                     "if TYPE_CHECKING:\n    from ..worker import Worker\n"
                     "def f():\n    from ..queue import Queue\n")
     imports = runtime_imports("asyncjobq._worker.fake", fake, set(modules()))
-    assert imports == {"asyncjobq._db.heldconn", "asyncjobq.queue"}
+    assert imports == {"asyncjobq._db.ownconn", "asyncjobq.queue"}
     assert layer_of("asyncjobq.queue") > layer_of("asyncjobq._worker.fake")
     assert layer_of("asyncjobq._db.sql.claim") == 1

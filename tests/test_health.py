@@ -211,7 +211,7 @@ async def test_doctor_on_a_healthy_queue(queue: Queue) -> None:
 
 
 async def test_doctor_explains_the_generic_plan_workers_run(queue: Queue) -> None:
-    # Workers plan the claim once for any queue and limit (heldconn.py); a plan made for the
+    # Workers plan the claim once for any queue and limit (ownconn.py); a plan made for the
     # bound values could read the table differently, so doctor must show the generic one.
     await queue.enqueue_many("t", [{"i": i} for i in range(3000)])
     await execute(queue, "ANALYZE {s}.jobs")

@@ -4,7 +4,7 @@
 A service is a small object of one shape: a `name`, an `interval` in seconds, `leader_only`
 (run on the fleet's leader only, leader.py), a `timeout` in seconds, `async turn()` and,
 for a service that must not wait behind handlers for a pooled connection, `own_connection` (a
-connection of its own, open while the runner runs; heldconn.py). The runner calls each turn
+connection of its own, open while the runner runs; ownconn.py). The runner calls each turn
 every interval, cancels a turn that outlasts its timeout, logs and backs off when a turn fails
 (`turn_backoff`), and never dies of a failed turn: a bug in one service (even one that raises
 CancelledError of its own) must not stop a worker's claims, nor the other services. A service
@@ -24,7 +24,7 @@ from psycopg_pool import PoolTimeout
 
 from .._db import retrying
 from .._db.database import Database
-from .._db.heldconn import HeldConnection
+from .._db.ownconn import OwnConnection
 from ..errors import reason
 
 log = logging.getLogger("asyncjobq.services")
@@ -49,15 +49,15 @@ class Service:
     # lock or a server that stopped answering must not hold the service for good.
     timeout = 60.0
     # A connection of the service's own while the runner runs (else it uses the pool).
-    own_connection: HeldConnection | None = None
+    own_connection: OwnConnection | None = None
 
     async def turn(self) -> object:
         raise NotImplementedError
 
-    def use_own_connection(self, db: Database, role: str) -> HeldConnection:
+    def use_own_connection(self, db: Database, role: str) -> OwnConnection:
         """Give the service a connection of its own (`own_connection`), for its statements to
         use; it plans them as the pool's connections do."""
-        conn = self.own_connection = HeldConnection(db, role, generic_plans=False)
+        conn = self.own_connection = OwnConnection(db, role, generic_plans=False)
         return conn
 
 

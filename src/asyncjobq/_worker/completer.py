@@ -23,7 +23,7 @@ from psycopg import AsyncConnection, sql
 
 from .._checks import storable_text
 from .._db.database import Database
-from .._db.heldconn import HeldConnection
+from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, RetryPolicy
 from .fetcher import Fetcher
 from .outcome import Outcome
@@ -67,8 +67,8 @@ class Completer:
         # Kinds of database error the lanes have logged since their last write: one warning
         # per kind for all lanes.
         self._errors_seen: set[str] = set()
-        # While run() loops, each lane flushes through a connection of its own (see heldconn).
-        self._lanes = [HeldConnection(self._db, ROLE) for _ in range(max(1, lanes))]
+        # While run() loops, each lane flushes through a connection of its own (see ownconn).
+        self._lanes = [OwnConnection(self._db, ROLE) for _ in range(max(1, lanes))]
         # Tasks whose outcomes are written at once, not after flush_interval: a key_limit
         # task's next job of the key can only start once this one's outcome is written.
         self._urgent = urgent
@@ -139,16 +139,16 @@ class Completer:
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
-            for held in self._lanes:
-                tg.start_soon(self._lane, held)
+            for own in self._lanes:
+                tg.start_soon(self._lane, own)
 
-    async def _lane(self, held: HeldConnection) -> None:
-        async with held:
+    async def _lane(self, own: OwnConnection) -> None:
+        async with own:
             retry = RetryPolicy(log, "writing outcomes", first=0.05, seen=self._errors_seen)
             while True:
                 batch = await self._next_batch()
                 try:
-                    await self._write(held, batch, fold=True)
+                    await self._write(own, batch, fold=True)
                     retry.succeeded()
                 except RETRYABLE as e:
                     # Any database error (a read-only server, a revoked privilege, a
@@ -174,7 +174,7 @@ class Completer:
         while self._buffer:
             await self._write(None, self._take(), fold=False)
 
-    async def _write(self, held: HeldConnection | None, batch: list[Outcome], *,
+    async def _write(self, own: OwnConnection | None, batch: list[Outcome], *,
                      fold: bool) -> None:
         """Write `batch` (already taken off the buffer); on error it goes back to the buffer."""
         # storable_text: a NUL or a lone surrogate in one exception's message would otherwise
@@ -189,7 +189,7 @@ class Completer:
         written = False
         started = time.monotonic() if self._on_flushed is not None else 0.0
         try:
-            conn_cm = held.connection() if held is not None else self._db.connection()
+            conn_cm = own.connection() if own is not None else self._db.connection()
             async with conn_cm as conn:
                 if claim is None:
                     accepted = await self._set_outcomes(conn, params)

@@ -21,7 +21,7 @@ from psycopg import sql
 from psycopg_pool import PoolTimeout
 
 from .._db.database import Database
-from .._db.heldconn import HeldConnection
+from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, Backoff, RetryPolicy
 from ..errors import reason
 from ..job import Job
@@ -131,8 +131,8 @@ class Fetcher:
         self.claimed = 0
         # Slots promised to a claim folded into a flush that is still in flight.
         self._reserved = 0
-        # While run() loops, claims go through a connection of its own (see heldconn).
-        self._held = HeldConnection(self._db, ROLE)
+        # While run() loops, claims go through a connection of its own (see ownconn).
+        self._own = OwnConnection(self._db, ROLE)
         # The limited tasks' limits, sent with every claim (sql/claim.py, `_limited`); None:
         # no limited task, the plain claim.
         self._limits = json.dumps(limits, sort_keys=True) if limits else None
@@ -217,7 +217,7 @@ class Fetcher:
                  if self._limits is None else
                  self._statement(st.job_claim_one_queue_limited,
                                  st.job_claim_many_queues_limited))
-        async with self._held.connection() as conn:
+        async with self._own.connection() as conn:
             cur = await conn.execute(query, self._claim_params(limit))
             rows = await cur.fetchall()
         return self._jobs(rows)
@@ -310,7 +310,7 @@ class Fetcher:
         single = self._lost_limit == 1
         counted = ([i for i, n in self._lost.items() if n + 1 >= LOST_CLAIM_TIMES]
                    if single else [])
-        async with self._held.connection() as conn:
+        async with self._own.connection() as conn:
             cur = await conn.execute(st.job_release_lost_claims, {
                 "worker": self._worker_id, "ids": [i for i, _ in keep],
                 "attempts": [a for _, a in keep], "channel": self._db.channel,
@@ -348,7 +348,7 @@ class Fetcher:
                         "will be reaped after the lease", reason(e))
 
     async def run(self) -> None:
-        async with self._held:
+        async with self._own:
             await self._run()
 
     async def _run(self) -> None:

@@ -3,10 +3,9 @@ maintenance service that must not wait behind handlers for the pool (the elector
 reaper's, the scheduler's: handlers holding every pooled connection would otherwise cost a
 healthy leader its lease, stall reaping and skip periodic ticks; services.py).
 
-Taking a connection from the pool for every claim or flush cost the pool's bookkeeping and,
-while the pool's `check=` still sent a query on every checkout, a round trip before every
-statement (one default worker went from about 7,500 to 11,000 zero-work jobs/s when it
-stopped; the check now only polls the socket, see database.check_idle_connection). A loop
+Taking a connection from the pool for every claim or flush costs the pool's bookkeeping (and,
+with a check on checkout, a round trip: see database.check_idle_connection; the figures are in
+benchmarks/results/PROFILE.md). A loop
 that runs statement after statement holds one connection instead, opened like the pool's
 (autocommit, application_name) but outside it, so handlers keep the whole pool. A connection
 that failed is closed; the next use opens another (the loops already back off on errors).
@@ -32,8 +31,8 @@ from psycopg import AsyncConnection
 from .._db.database import Database
 
 
-class HeldConnection:
-    """`async with held:` around the loop; inside it, `held.use()` gives the connection."""
+class OwnConnection:
+    """`async with own:` around the loop; inside it, `own.use()` gives the connection."""
 
     def __init__(self, db: Database, role: str, *, generic_plans: bool = True) -> None:
         self._db = db
@@ -45,7 +44,7 @@ class HeldConnection:
         # otherwise share the connection, nest their transactions, or close it under the other.
         self._lock = asyncio.Lock()
 
-    async def __aenter__(self) -> HeldConnection:
+    async def __aenter__(self) -> OwnConnection:
         self.active = True
         return self
 
@@ -54,7 +53,7 @@ class HeldConnection:
         await self.close()
 
     def connection(self) -> AbstractAsyncContextManager[AsyncConnection[Any]]:
-        """The held connection while the loop runs, else (direct calls, tests) a pooled one."""
+        """Its own connection while the loop runs, else (direct calls, tests) a pooled one."""
         return self.use() if self.active else self._db.connection()
 
     @asynccontextmanager
