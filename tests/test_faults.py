@@ -205,6 +205,7 @@ async def test_idle_in_transaction_holding_xmin(queue: Queue, pg_dsn: str) -> No
         no_tracebacks(drill.stop())
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(240)
 async def test_lost_lease_is_fenced(queue: Queue, pg_dsn: str) -> None:
     """A worker cut off from the database for longer than the lease: its jobs are reaped and

@@ -24,6 +24,7 @@ async def leader_pid(queue: Queue) -> int | None:
     return int(str(info["worker"]).rsplit("-", 2)[1])
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(120)
 @pytest.mark.processes
 async def test_a_killed_leader_is_replaced_and_the_new_one_reaps(

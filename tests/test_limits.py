@@ -103,6 +103,7 @@ async def _drained(queue: Queue, procs: list[WorkerProcess], timeout: float) -> 
     return time.monotonic() - started
 
 
+@pytest.mark.fleet
 @pytest.mark.processes
 async def test_concurrency_limit_holds_across_four_processes(
         queue: Queue, pg_dsn: str, tmp_path: Path) -> None:
@@ -622,3 +623,32 @@ async def test_the_move_is_fenced_on_the_attempt(queue: Queue, pg_dsn: str) -> N
     assert await _where(queue, [job_id]) == [("queued", "exports", 1, None)]
     assert await fetchval(queue, "SELECT locked_by FROM {s}.jobs WHERE id = %s", job_id) is None
     assert mover.moved == 1
+
+
+async def test_a_misplaced_job_cancelled_before_its_task_starts_is_not_moved(
+        queue: Queue) -> None:
+    """A job of a limited task claimed in another queue is moved, not run; cancelled for a
+    lost lease before its task's first step, it is neither: its row stays with the reaper."""
+
+    @queue.task(name="export", queue="exports", concurrency_limit=1)
+    async def export(job: Job) -> None:
+        pass
+
+    stray = await fetchval(queue, "SELECT {s}.enqueue('export', '{{}}')")  # into default
+    w = Worker(queue, concurrency=1, poll_interval=0.1)
+    dispatch = w._running.dispatch
+    dispatched: list[int] = []
+
+    def dispatch_then_cancel(job: Job) -> None:
+        dispatch(job)
+        r = w._running.get((job.id, job.attempt))
+        assert r is not None
+        r.cancel("lease lost")  # before its first step
+        dispatched.append(job.id)
+
+    w._running.dispatch = dispatch_then_cancel  # type: ignore[method-assign]
+    async with running(w):
+        await wait_for(lambda: bool(dispatched), timeout=10, what="the stray claimed")
+        await wait_for(lambda: not w._running, timeout=10, what="its slot freed")
+    assert w.moved == 0
+    assert await _where(queue, [stray]) == [("running", "default", 1, None)]

@@ -32,6 +32,7 @@ def stop_all(procs: list[subprocess.Popen[str]]) -> None:
         p.communicate(timeout=30)
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(300)
 async def test_four_processes_never_double_claim(claims_queue: Queue, pg_dsn: str) -> None:
     q = claims_queue
@@ -55,6 +56,7 @@ async def test_four_processes_never_double_claim(claims_queue: Queue, pg_dsn: st
         stop_all(procs)
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(120)
 async def test_sigkilled_worker_job_is_reaped_and_completed_elsewhere(
         claims_queue: Queue, pg_dsn: str) -> None:

@@ -343,7 +343,7 @@ async def test_claims_run_on_a_generic_plan_that_reads_the_claim_index(
     async def reused_plan(claims: int) -> str:
         """The plan every claim of the fetcher's connection reuses, blind to the queue and the
         limit, after `claims` claims on it."""
-        async with fetcher._held.connection() as conn:
+        async with fetcher._own.connection() as conn:
             cur = await conn.execute(
                 "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements"
                 " WHERE statement LIKE 'UPDATE%'")
@@ -354,7 +354,7 @@ async def test_claims_run_on_a_generic_plan_that_reads_the_claim_index(
                     psycopg.sql.Identifier(name), queue_arg))
             return "\n".join(r[0] for r in await cur.fetchall())
 
-    async with fetcher._held:
+    async with fetcher._own:
         # Planned on a table statistics call empty or tiny, kept while a backlog arrives
         # (nothing analyzed it since). On a tiny table a sequential scan is cheapest, and a
         # plan that kept one scanned the whole backlog every claim...

@@ -4,14 +4,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._maintenance.periodic import Clock
+from typing import Protocol
 
 __all__ = ["Schedule"]
+
+
+class Clock(Protocol):
+    """What computes a schedule's ticks (machinery: _maintenance/periodic.py's Clock)."""
+
+    def next_after(self, t: datetime) -> datetime | None: ...
+
+    def forward(self, t: datetime) -> Iterator[datetime]: ...
+
+    def latest(self, after: datetime, until: datetime, n: int
+               ) -> tuple[list[datetime], bool]: ...
 
 
 @dataclass(frozen=True)

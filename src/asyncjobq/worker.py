@@ -399,7 +399,10 @@ class Worker:
         assert self.completer is not None and self.fetcher is not None
         outcome: Outcome | None = None
         hooks = self.queue.hooks if self.queue.hooks.active else None
-        misplaced = job.task in self._refused
+        # A job cancelled before this first step runs no handler and is not moved either:
+        # execute() gives it the outcome its cancel's reason says.
+        misplaced = job.task in self._refused and running.cancel_reason is None \
+            and not running.abandoned
         try:
             if misplaced:
                 # Not an attempt: moved to its task's queue, uncounted, without an outcome to
