@@ -103,6 +103,14 @@ class Drill:
         return out
 
 
+def assert_all_alive(drill: Drill) -> None:
+    """Every worker still runs; else what an exited one wrote last."""
+    for p in drill.procs:
+        if p.poll() is not None:
+            raise AssertionError(f"a worker exited ({p.returncode}):\n"
+                                 f"{drill.stderr(p)[-3000:]}")
+
+
 def assert_clean(result: DrillResult) -> None:
     assert result.lost == 0, result
     assert result.double_claims == 0, result
