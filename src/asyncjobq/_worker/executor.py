@@ -89,7 +89,7 @@ def _custom_backoff(job: Job, backoff: Backoff) -> float:
                     "instead; fix the task's backoff", job.id, job.task, _describe(e))
         return default_backoff(job.attempt)
     if isinstance(delay, int | float) and not isinstance(delay, bool) and delay == delay:
-        return min(max(0.0, float(delay)), MAX_DELAY)  # as before: below 0 means at once
+        return min(max(0.0, float(delay)), MAX_DELAY)  # below 0 means at once
     log.warning("job %s (%s): its backoff returned %r, not a number of seconds; retrying on "
                 "the default backoff instead; fix the task's backoff", job.id, job.task, delay)
     return default_backoff(job.attempt)
