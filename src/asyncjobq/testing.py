@@ -31,7 +31,7 @@ import anyio
 import psycopg
 
 from . import tracing
-from ._checks import encode_payload, storable_text
+from ._checks import encode_payload, is_int, storable_text
 from ._db.dsn import check_dsn
 from ._db.sql import Statements, statements
 
@@ -336,7 +336,7 @@ async def perform(q: Queue, task: str | Task, payload: Mapping[str, Any] | None 
     # What a worker would hand the handler: the payload through enqueue's own encoder (its
     # refusals included) and back, never the caller's objects.
     body = _as_json(_check_payload(payload))
-    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+    if not is_int(attempt) or attempt < 1:
         raise ConfigurationError(f"attempt={attempt!r}: use 1 (the first) or more")
     now = datetime.now(UTC)
     job = Job(id=0, task=t.name, queue=t.queue, payload=body, attempt=attempt,
@@ -393,8 +393,7 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
     """
     _check_queue(q, "drain")
     names = _check_queues(queues)
-    if max_jobs is not None and (isinstance(max_jobs, bool) or not isinstance(max_jobs, int)
-                                 or max_jobs < 1):
+    if max_jobs is not None and (not is_int(max_jobs) or max_jobs < 1):
         raise ConfigurationError(f"max_jobs={max_jobs!r}: use a number of attempts >= 1, or "
                                  "None for no limit")
     horizon = _horizon(until)

@@ -24,7 +24,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from . import metrics, tracing
-from ._checks import check_name, check_positive, check_queue_name
+from ._checks import check_name, check_positive, check_queue_name, int_between
 from ._db import migrations
 from ._maintenance.leader import Elector
 from ._maintenance.pruner import Pruner
@@ -147,9 +147,7 @@ class Worker:
             check_positive("vacuum_interval", vacuum_interval, integer=False)
         # None leaves the hot table to autovacuum alone.
         self.vacuum_interval = vacuum_interval
-        if metrics_port is not None and (isinstance(metrics_port, bool)
-                                         or not isinstance(metrics_port, int)
-                                         or not 0 <= metrics_port <= 65535):
+        if metrics_port is not None and not int_between(metrics_port, 0, 65535):
             raise ConfigurationError(f"metrics_port={metrics_port!r}: use a TCP port number "
                                      "from 1 to 65535 (0 picks a free one), or None")
         # Each sample counts the jobs table: a tiny interval is the query storm it avoids.

@@ -30,13 +30,13 @@ Cron expressions are parsed and stepped by cronsim (the `cron` extra). How ticks
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from .._checks import is_number
 from ..errors import ConfigurationError
 
 # The shortcuts cron users know; cronsim takes only fields.
@@ -271,8 +271,7 @@ def timezone_of(name: object) -> ZoneInfo:
 
 def every_seconds(every: object) -> float:
     seconds: Any = every.total_seconds() if isinstance(every, timedelta) else every
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
-            or not math.isfinite(seconds):
+    if not is_number(seconds):
         raise ConfigurationError(f"every={every!r}: use a number of seconds or a timedelta, "
                                  f"at least {MIN_EVERY:g} s")
     if seconds < MIN_EVERY:
