@@ -127,8 +127,10 @@ class Worker:
         check_positive("batch_size", batch_size, integer=True)
         check_positive("lease", lease, integer=False)
         check_positive("poll_interval", poll_interval, integer=False)
+        # `not >= 0` refuses NaN too, which would make every shutdown wait misbehave; inf
+        # (wait for running handlers however long they take) stays allowed.
         if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, int | float) \
-                or shutdown_timeout < 0:
+                or not shutdown_timeout >= 0:
             raise ConfigurationError(
                 f"shutdown_timeout={shutdown_timeout!r}: use a number of seconds >= 0")
         self.queue = queue
