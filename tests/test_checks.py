@@ -86,3 +86,24 @@ def test_payload_encoding_names_the_unstorable_string() -> None:
     with pytest.raises(InvalidPayloadError, match=r"^payloads\[0\] must be a dict"):
         encode_payload_array([[1]])
     assert encode_payload_array([None, {"a": 1}]) == '[{},{"a":1}]'
+
+
+def test_numbers_past_a_floats_range_are_refused_not_raised() -> None:
+    """10**400 is an int Python holds but no float can: math.isfinite() raises on it, and a
+    check must refuse it with its own error rather than an OverflowError."""
+    from asyncjobq._checks import is_number
+
+    assert not is_number(10**400) and not is_number(-(10**400)) and is_number(10**300)
+
+
+def test_a_backoff_past_a_floats_range_waits_the_longest_delay() -> None:
+    from datetime import UTC, datetime
+
+    from asyncjobq._worker.executor import _custom_backoff
+    from asyncjobq.job import MAX_DELAY, Job
+
+    now = datetime.now(UTC)
+    job = Job(id=1, task="t", queue="q", payload={}, attempt=1, max_attempts=3, priority=0,
+              run_at=now, created_at=now)
+    assert _custom_backoff(job, lambda attempt: 10**400) == MAX_DELAY
+    assert _custom_backoff(job, lambda attempt: -(10**400)) == 0.0

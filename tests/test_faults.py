@@ -96,6 +96,12 @@ async def retry_on_restart(fn: Any) -> Any:
     return await fn()
 
 
+async def started(drill: Drill, n: int) -> bool:
+    """All n workers past their start-up; one that exited fails at once, saying why."""
+    assert_all_alive(drill)
+    return await listeners(drill.queue, n)
+
+
 async def listeners(q: Queue, n: int) -> bool:
     count = await fetchval(q, "SELECT count(*) FROM pg_stat_activity"
                            " WHERE datname = current_database()"
@@ -118,7 +124,7 @@ async def test_backend_kill_storm(queue: Queue, pg_dsn: str) -> None:
             drill.start_worker()
         # All three past their start-up: one whose start-up connection the storm ended exits
         # (it fails fast, as a start-up does; a CI run under load met it).
-        await wait_for(lambda: listeners(queue, 3), timeout=60, what="3 workers started")
+        await wait_for(lambda: started(drill, 3), timeout=60, what="3 workers started")
         await wait_for(lambda: fetchval(queue, "SELECT count(*) > 100 FROM {s}.claims"),
                        timeout=60, what="work under way")
         killed = 0
@@ -153,7 +159,7 @@ async def _pool_exhaustion(queue: Queue, pg_dsn: str) -> None:
     try:
         for _ in range(3):
             drill.start_worker()
-        await wait_for(lambda: listeners(queue, 3), timeout=60, what="3 workers started")
+        await wait_for(lambda: started(drill, 3), timeout=60, what="3 workers started")
         await wait_for(lambda: fetchval(queue, "SELECT count(*) > 100 FROM {s}.claims"),
                        timeout=60, what="work under way")
         # Other clients take every free connection slot...

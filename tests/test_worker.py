@@ -487,11 +487,13 @@ async def test_stop_releases_running_jobs_to_queued(queue: Queue) -> None:
 async def test_worker_refuses_bad_settings(queue: Queue) -> None:
     for kwargs in ({"concurrency": 0}, {"batch_size": -1}, {"lease": 0},
                    {"poll_interval": -1}, {"queues": ()}, {"shutdown_timeout": -1},
-                   {"shutdown_timeout": float("nan")}, {"shutdown_timeout": True}):
+                   {"shutdown_timeout": float("nan")}, {"shutdown_timeout": True},
+                   {"shutdown_timeout": 10**400}, {"lease": 10**400}):
         try:
             Worker(queue, **kwargs)  # type: ignore[arg-type]
         except asyncjobq.ConfigurationError as e:
-            assert "use" in str(e)
+            (key,) = kwargs
+            assert "use" in str(e) and str(e).startswith(key), e  # names what was wrong
         else:
             raise AssertionError(f"Worker accepted {kwargs}")
     # No bound on how long a shutdown waits for running handlers: stays allowed.

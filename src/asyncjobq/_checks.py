@@ -38,10 +38,14 @@ def int_between(value: object, low: int, high: int) -> TypeGuard[int]:
 
 
 def is_number(value: object) -> TypeGuard[int | float]:
-    """A finite int or float, not a bool: NaN compares false with every bound, and an
-    infinite wait never ends."""
-    return isinstance(value, int | float) and not isinstance(value, bool) \
-        and math.isfinite(value)
+    """A finite int or float, not a bool: NaN compares false with every bound, an infinite
+    wait never ends, and an int past a float's range (10**400) cannot become seconds."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def is_positive(value: object) -> TypeGuard[int | float]:
@@ -62,10 +66,10 @@ def check_int(what: str, value: object, bits: int = 32) -> None:
 
 
 def check_positive(name: str, value: object, *, integer: bool, least: float | None = None) -> None:
-    kinds = (int,) if integer else (int, float)
-    # `not value >= least` also refuses NaN; infinity too (a wait that never ends).
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) \
-            or (value <= 0 if least is None else not value >= least):
+    """A count or a duration above 0 (or at least `least`): finite, not a bool (a wait that
+    never ends is refused too)."""
+    if not is_number(value) or (integer and not is_int(value)) \
+            or (value <= 0 if least is None else value < least):
         kind = "an integer" if integer else "a number of seconds"
         bound = "greater than 0" if least is None else f"of at least {least:g}"
         raise ConfigurationError(f"{name}={value!r}: use {kind} {bound}")

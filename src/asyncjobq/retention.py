@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ._checks import is_number
 from .errors import ConfigurationError
 
 __all__ = ["Age", "Retention", "seconds"]
@@ -22,7 +23,7 @@ def seconds(what: str, age: Age) -> float | None:
         return None
     if isinstance(age, timedelta):
         value = age.total_seconds()
-    elif isinstance(age, int | float) and not isinstance(age, bool):
+    elif is_number(age) or age == float("inf"):  # inf: as long as None, kept
         value = float(age)
     else:
         raise ConfigurationError(

@@ -24,7 +24,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from . import metrics, tracing
-from ._checks import check_name, check_positive, check_queue_name, int_between
+from ._checks import check_name, check_positive, check_queue_name, int_between, is_number
 from ._db import migrations
 from ._maintenance.leader import Elector
 from ._maintenance.pruner import Pruner
@@ -127,10 +127,10 @@ class Worker:
         check_positive("batch_size", batch_size, integer=True)
         check_positive("lease", lease, integer=False)
         check_positive("poll_interval", poll_interval, integer=False)
-        # `not >= 0` refuses NaN too, which would make every shutdown wait misbehave; inf
-        # (wait for running handlers however long they take) stays allowed.
-        if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, int | float) \
-                or not shutdown_timeout >= 0:
+        # NaN, a bool or an int past a float's range is refused; inf (wait for running
+        # handlers however long they take) stays allowed.
+        if not (is_number(shutdown_timeout) and shutdown_timeout >= 0) \
+                and shutdown_timeout != float("inf"):
             raise ConfigurationError(
                 f"shutdown_timeout={shutdown_timeout!r}: use a number of seconds >= 0")
         self.queue = queue
@@ -401,8 +401,7 @@ class Worker:
         hooks = self.queue.hooks if self.queue.hooks.active else None
         # A job cancelled before this first step runs no handler and is not moved either:
         # execute() gives it the outcome its cancel's reason says.
-        misplaced = job.task in self._refused and running.cancel_reason is None \
-            and not running.abandoned
+        misplaced = job.task in self._refused and not running.called_off
         try:
             if misplaced:
                 # Not an attempt: moved to its task's queue, uncounted, without an outcome to

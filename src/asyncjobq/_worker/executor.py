@@ -40,6 +40,11 @@ class RunningJob:
     # which execute() reads first.
     begun: bool = False
 
+    @property
+    def called_off(self) -> bool:
+        """Cancelled or abandoned: once seen at the task's first step, nothing of the job runs."""
+        return self.cancel_reason is not None or self.abandoned
+
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
             self.cancel_reason = reason
@@ -89,7 +94,8 @@ def _custom_backoff(job: Job, backoff: Backoff) -> float:
                     "instead; fix the task's backoff", job.id, job.task, _describe(e))
         return default_backoff(job.attempt)
     if isinstance(delay, int | float) and not isinstance(delay, bool) and delay == delay:
-        return min(max(0.0, float(delay)), MAX_DELAY)  # below 0 means at once
+        # Clamped before float(): an int past a float's range (10**400) would raise there.
+        return float(min(max(0, delay), MAX_DELAY))  # below 0 means at once
     log.warning("job %s (%s): its backoff returned %r, not a number of seconds; retrying on "
                 "the default backoff instead; fix the task's backoff", job.id, job.task, delay)
     return default_backoff(job.attempt)
@@ -185,7 +191,7 @@ async def execute(
     hooks: Hooks | None = None,
 ) -> Outcome | None:
     """Run the handler. Returns None only when the lease was lost (nothing may be written)."""
-    if running.cancel_reason is not None or running.abandoned:
+    if running.called_off:
         return _unstarted(running)
     outcome = await _attempt(running, task, registered, runner, hooks)
     # Whatever a handler made of that cancellation (a Fail, a Retry, an error of its own, a
