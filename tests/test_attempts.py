@@ -214,13 +214,13 @@ async def test_a_claim_whose_reply_is_lost_is_released_without_counting_an_attem
 
             fetcher.claim = first_claim_only  # type: ignore[method-assign]
 
-            async def flush_reply_lost(conn: Any, params: Any, query: Any,
-                                       claim_params: Any, reserved: int) -> set[int]:
-                rows = await (await conn.execute(query, {**params, **claim_params})).fetchall()
+            async def flush_reply_lost(conn: Any, params: Any, claim: Any) -> set[int]:
+                rows = await (await conn.execute(claim.query,
+                                                 {**params, **claim.params})).fetchall()
                 if any(r[0] for r in rows) and not lost["n"]:
                     lost["n"] += 1
                     raise psycopg.OperationalError("server closed the connection unexpectedly")
-                return _accept(fetcher, rows, reserved)
+                return _accept(fetcher, rows, claim)
 
             completer._set_outcomes_then_claim = flush_reply_lost  # type: ignore[method-assign]
             first = await once.enqueue({"name": "first"})
@@ -236,9 +236,9 @@ async def test_a_claim_whose_reply_is_lost_is_released_without_counting_an_attem
     assert w.fetcher is not None and w.fetcher.released == 1
 
 
-def _accept(fetcher: Any, rows: list[Any], reserved: int) -> set[int]:
-    fetcher.folded_claimed([r[1:] for r in rows if r[0]], reserved)
-    return {int(r[1]) for r in rows if not r[0]}
+def _accept(fetcher: Any, rows: list[Any], claim: Any) -> set[int]:
+    fetcher.folded_claimed([r[1:] for r in rows if r[0] is not False], claim)
+    return {int(r[1]) for r in rows if r[0] is False}
 
 
 async def test_a_hanging_heartbeat_is_bounded_and_cut_off_handlers_are_cancelled(

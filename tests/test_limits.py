@@ -408,9 +408,9 @@ async def test_a_worker_clock_ahead_of_the_database_does_not_spin_on_a_rate_limi
             claims[0] += 1
             return await real_claim(limit)
 
-        def folded_claimed(rows: list[Any], reserved: int) -> None:
+        def folded_claimed(rows: list[Any], claim: Any) -> None:
             claims[0] += 1
-            real_folded(rows, reserved)
+            real_folded(rows, claim)
 
         fetcher.claim = claim  # type: ignore[method-assign]
         fetcher.folded_claimed = folded_claimed  # type: ignore[method-assign]
@@ -466,9 +466,11 @@ async def test_a_worker_sends_only_the_limits_of_its_queues_tasks(queue: Queue) 
         assert fetcher._limits is None
         folded = fetcher.fold()
         assert folded is not None
-        fetcher.folded_claimed([], folded[2])
-        assert folded[0] is queue.sql.job_set_outcome_if_running_many_then_claim_one_queue
-        assert "limits" not in folded[1]
+        fetcher.folded_claimed([], folded)
+        assert folded.query in (
+            queue.sql.job_set_outcome_if_running_many_then_claim_one_queue,
+            queue.sql.job_set_outcome_if_running_many_then_claim_one_queue_from_floors)
+        assert "limits" not in folded.params
         await plain.enqueue({})
         await wait_for(lambda: ran == ["plain"], 10, what="the plain job")
     w = Worker(queue, queues=["default", "exports"])

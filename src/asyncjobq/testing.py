@@ -440,7 +440,7 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
 async def _write(q: Queue, worker: str, o: _Outcome) -> None:
     params = {"outcomes": json.dumps([[o.job_id, o.attempt, o.kind, o.delay,
                                        storable_text(o.error)]]),
-              "worker": worker}
+              "worker": worker, "channel": q.channel}
     async with q.connection() as conn:
         await conn.execute(q.sql.job_set_outcome_if_running_many, params)
 

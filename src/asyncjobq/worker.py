@@ -323,7 +323,8 @@ class Worker:
             services.start_soon(runner.run)
             if self.listen:
                 self.listener = Listener(
-                    self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.wakeup.set,
+                    self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.listening,
+                    on_disconnect=fetcher.deaf,
                     application_name=f"{self.queue.application_name}-listen")
                 services.start_soon(self.listener.run)
             try:

@@ -57,14 +57,10 @@ class Reaper(Service):
                     if not row or not row[0]:
                         return total  # another reaper is at it (two leaders for an instant)
                     cur = await conn.execute(
-                        st.job_reap_stuck, {"lease": self._lease, "limit": REAP_BATCH}
-                    )
+                        st.job_reap_stuck, {"lease": self._lease, "limit": REAP_BATCH,
+                                            "channel": self._db.channel})
                     rows = await cur.fetchall()
-                    for queue in sorted({r[2] for r in rows if r[1] == "queued"}):
-                        await conn.execute(
-                            st.queue_notify, {"channel": self._db.channel, "queue": queue}
-                        )
-                for job_id, status, _queue, task, worker in rows:
+                for job_id, status, _queue, task, worker, _woken in rows:
                     log.warning("job %s (%s): lease expired (worker %s stopped heartbeating); "
                                 "%s", job_id, task, worker, "requeued" if status == "queued"
                                 else "failed, no attempts left")

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from psycopg import AsyncConnection, sql
+from psycopg import AsyncConnection
 
 from .._checks import storable_text
 from .._db.database import Database
 from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, RetryPolicy
-from .fetcher import Fetcher
+from .fetcher import Fetcher, FoldedClaim
 from .outcome import Outcome
 
 log = logging.getLogger("asyncjobq.completer")
@@ -184,6 +184,7 @@ class Completer:
                 [[o.job_id, o.attempt, o.kind, o.delay, storable_text(o.error)] for o in batch],
                 separators=(",", ":")),
             "worker": self._worker_id,
+            "channel": self._db.channel,
         }
         claim = self._fetcher.fold() if fold and self._fetcher is not None else None
         written = False
@@ -194,12 +195,12 @@ class Completer:
                 if claim is None:
                     accepted = await self._set_outcomes(conn, params)
                 else:
-                    accepted = await self._set_outcomes_then_claim(conn, params, *claim)
+                    accepted = await self._set_outcomes_then_claim(conn, params, claim)
             written = True
         finally:
             if claim is not None and not written:
                 assert self._fetcher is not None
-                self._fetcher.folded_failed(claim[2])
+                self._fetcher.folded_failed(claim)
             self._done_with(batch, written=written)
         for o in batch:
             if o.job_id not in accepted:
@@ -218,14 +219,14 @@ class Completer:
         return {int(r[0]) for r in await cur.fetchall()}
 
     async def _set_outcomes_then_claim(
-        self, conn: AsyncConnection[Any], params: dict[str, object], query: sql.Composed,
-        claim_params: dict[str, object], reserved: int,
+        self, conn: AsyncConnection[Any], params: dict[str, object], claim: FoldedClaim,
     ) -> set[int]:
         assert self._fetcher is not None
-        cur = await conn.execute(query, {**params, **claim_params})
+        cur = await conn.execute(claim.query, {**params, **claim.params})
         rows = await cur.fetchall()
-        # true: a claimed job; false: an accepted outcome; NULL: a limited claim's marker row.
-        self._fetcher.folded_claimed([r[1:] for r in rows if r[0] is not False], reserved)
+        # true: a claimed job; false: an accepted outcome; NULL: a marker row (a limited
+        # claim's held rows, a claim's floors).
+        self._fetcher.folded_claimed([r[1:] for r in rows if r[0] is not False], claim)
         return {int(r[1]) for r in rows if r[0] is False}
 
     # --- shutdown --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import psycopg
@@ -25,6 +25,7 @@ from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, Backoff, RetryPolicy
 from ..errors import reason
 from ..job import Job
+from .floors import Floors
 
 log = logging.getLogger("asyncjobq.fetcher")
 ROLE = "fetch"
@@ -45,6 +46,8 @@ HELD_RETRY = 0.1
 # claimed again at once, and every such claim queues on the task's lock in flow_admit with the
 # other workers' claims of it.
 RATE_RETRY = 0.02
+# The task column of a claim's floors marker row (sql/claim.py).
+FLOORS = "floors"
 
 
 class Wakeup:
@@ -82,6 +85,15 @@ class Wakeup:
         while self._alarms and self._alarms[0] <= now:
             heapq.heappop(self._alarms)
         self._event = anyio.Event()
+
+
+class FoldedClaim(NamedTuple):
+    """A claim for the completer to add to its flush (Fetcher.fold)."""
+
+    query: sql.Composed
+    params: dict[str, object]
+    reserved: int  # slots held for it until folded_claimed() or folded_failed()
+    token: int | None  # its floors' (floors.py), when it claims from floors
 
 
 class Fetcher:
@@ -142,6 +154,10 @@ class Fetcher:
         # costs a claim a poll_interval.
         self._held_retry = Backoff(HELD_RETRY, poll_interval)
         self._rate_retry = Backoff(RATE_RETRY, poll_interval)
+        # Where each lane's claim starts; in use while the LISTEN connection is up (the
+        # listener calls listening()/deaf()) and no limited task is served (the limited claims
+        # walk their lanes from the start).
+        self.floors = Floors(self._queues, enabled=False)
 
     @property
     def single_queue(self) -> bool:
@@ -150,10 +166,29 @@ class Fetcher:
     def serves(self, queue: str) -> bool:
         return queue in self._queues
 
-    def notify(self, queue: str | None, run_at_epoch: float | None) -> None:
-        """A notification (or a local retry) says `queue` (None: any) has a job due then."""
-        if queue is not None and queue not in self._queues:
+    def listening(self) -> None:
+        """The LISTEN connection is (again) up: notifications sent while it was down are lost,
+        so floors start over from a walk of every lane."""
+        self.floors.forget()
+        self.floors.enabled = self._limits is None
+        self.wakeup.set()
+
+    def deaf(self) -> None:
+        """The LISTEN connection went down: no notification lowers a floor meanwhile."""
+        self.floors.forget()
+        self.floors.enabled = False
+
+    def notify(self, queue: str | None, run_at_epoch: float | None,
+               lanes: Sequence[Any] | None = ()) -> None:
+        """A notification says `queue` (None: any) has a job due then; `lanes` are the
+        priorities and earliest run_at of the rows it made queued (None: it did not say)."""
+        if queue is None:
+            for q in self._queues:
+                self.floors.lower(q, None)
+        elif queue not in self._queues:
             return
+        elif lanes != ():
+            self.floors.lower(queue, lanes)
         if run_at_epoch is None:
             self.wakeup.set()
             return
@@ -180,7 +215,13 @@ class Fetcher:
             params["limits"] = self._limits
         return params
 
-    def _jobs(self, rows: Sequence[Sequence[Any]]) -> list[Job]:
+    def _jobs(self, rows: Sequence[Sequence[Any]], token: int | None = None) -> list[Job]:
+        if token is not None:
+            floors = [r[3] for r in rows if r[0] is None and r[1] == FLOORS]
+            if floors:
+                self.floors.settle(token, floors[0])
+            else:
+                self.floors.abandon(token)
         jobs = [
             Job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4], attempt=r[5],
                 max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id,
@@ -191,7 +232,7 @@ class Fetcher:
             self._held_retry.reset()
             self._rate_retry.reset()
         for r in rows:
-            if r[0] is None:  # a limited claim held r[4] rows back (sql/claim.py)
+            if r[0] is None and r[1] != FLOORS:  # a limited claim held r[4] rows back
                 self._held_back_until(r[4], r[5])
         # RETURNING order is the update's, not the claim's: hand jobs out in claim order.
         jobs.sort(key=lambda j: (-j.priority, j.run_at, j.id))
@@ -217,18 +258,42 @@ class Fetcher:
                  if self._limits is None else
                  self._statement(st.job_claim_one_queue_limited,
                                  st.job_claim_many_queues_limited))
+        params = self._claim_params(limit)
+        token = None
         async with self._own.connection() as conn:
-            cur = await conn.execute(query, self._claim_params(limit))
+            unknown = self.floors.unknown()
+            if unknown:
+                await self._discover(conn, unknown)
+            if self.floors.ready():
+                query = self._statement(st.job_claim_one_queue_from_floors,
+                                        st.job_claim_many_queues_from_floors)
+                token, lanes = self.floors.begin()
+                params.update(lanes)
+            try:
+                cur = await conn.execute(query, params)
+                rows = await cur.fetchall()
+            except BaseException:
+                if token is not None:
+                    self.floors.abandon(token)
+                raise
+        return self._jobs(rows, token)
+
+    async def _discover(self, conn: psycopg.AsyncConnection[Any], queues: list[str]) -> None:
+        token, _ = self.floors.begin()
+        try:
+            cur = await conn.execute(self._db.sql.lanes_discover, {"queues": queues})
             rows = await cur.fetchall()
-        return self._jobs(rows)
+        except BaseException:
+            self.floors.abandon(token)
+            raise
+        self.floors.discovered(token, rows, queues)
 
     # --- claims folded into the completer's flushes --------------------------------------
 
-    def fold(self) -> tuple[sql.Composed, dict[str, object], int] | None:
-        """A claim for the completer to add to its flush: (statement, params, slots reserved).
-
-        The slots stay reserved until folded_claimed() or folded_failed(); None when nothing
-        should be claimed now (stopping, or no free slot).
+    def fold(self) -> FoldedClaim | None:
+        """A claim for the completer to add to its flush, its slots reserved until
+        folded_claimed() or folded_failed(); None when nothing should be claimed now
+        (stopping, or no free slot).
         """
         if self.stopping or self._suspect or self._narrow:
             return None
@@ -243,11 +308,21 @@ class Fetcher:
             if self._limits is None else
             self._statement(st.job_set_outcome_if_running_many_then_claim_one_queue_limited,
                             st.job_set_outcome_if_running_many_then_claim_many_queues_limited))
-        return query, self._claim_params(limit), limit
+        params = self._claim_params(limit)
+        token = None
+        # Lanes not known yet: this claim walks them from their start, the fetcher's own next
+        # claim discovers them.
+        if self.floors.ready():
+            query = self._statement(
+                st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors,
+                st.job_set_outcome_if_running_many_then_claim_many_queues_from_floors)
+            token, lanes = self.floors.begin()
+            params.update(lanes)
+        return FoldedClaim(query, params, limit, token)
 
-    def folded_claimed(self, rows: Sequence[Sequence[Any]], reserved: int) -> None:
-        self._reserved -= reserved
-        self._hand_out(self._jobs(rows))
+    def folded_claimed(self, rows: Sequence[Sequence[Any]], claim: FoldedClaim) -> None:
+        self._reserved -= claim.reserved
+        self._hand_out(self._jobs(rows, claim.token))
 
     def _hand_out(self, jobs: list[Job]) -> None:
         # Told first: the on_claimed hook's task then starts before the handlers' (on_started).
@@ -260,10 +335,12 @@ class Fetcher:
             for job in jobs:
                 self._lost.pop(job.id, None)
 
-    def folded_failed(self, reserved: int) -> None:
-        self._reserved -= reserved
+    def folded_failed(self, claim: FoldedClaim) -> None:
+        self._reserved -= claim.reserved
+        if claim.token is not None:
+            self.floors.abandon(claim.token)
         self._suspect = True
-        self._lost_limit = reserved
+        self._lost_limit = claim.reserved
         self.slot_freed.set()
         self.wakeup.set()
 
@@ -318,6 +395,8 @@ class Fetcher:
             row = await cur.fetchone()
         self._suspect = False
         ids: list[int] = list(row[0]) if row else []
+        for queue, priority, epoch in (row[2] if row else []):
+            self.floors.lower(queue, [[priority, epoch]])
         if single or len(ids) == 1:  # a batch that held one row only: that row's too
             for i in ids:
                 self._lost[i] = self._lost.pop(i, 0) + 1  # moved last: the oldest go first

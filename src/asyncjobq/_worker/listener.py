@@ -1,7 +1,8 @@
 """The one LISTEN connection: wakes the fetcher on notifications, reconnects with backoff.
 
 Every (re)connection also wakes the fetcher, since notifications sent while the connection was
-down are lost. A quiet connection is probed every `keepalive` seconds so that a silently dead
+down are lost; the fetcher also hears when it goes down (its floors rest on notifications,
+floors.py). A quiet connection is probed every `keepalive` seconds so that a silently dead
 one is noticed.
 """
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
 from psycopg import AsyncConnection, sql
@@ -26,9 +28,10 @@ class Listener:
         self,
         dsn: str,
         channel: str,
-        on_notify: Callable[[str | None, float | None], None],
+        on_notify: Callable[[str | None, float | None, Sequence[Any] | None], None],
         on_connect: Callable[[], None],
         *,
+        on_disconnect: Callable[[], None] = lambda: None,
         keepalive: float = 10.0,
         application_name: str = "asyncjobq-listen",
     ) -> None:
@@ -36,6 +39,7 @@ class Listener:
         self._channel = channel
         self._on_notify = on_notify
         self._on_connect = on_connect
+        self._on_disconnect = on_disconnect
         self._keepalive = keepalive
         self._application_name = application_name
         self.connected = anyio.Event()
@@ -57,8 +61,10 @@ class Listener:
     async def _listen(self) -> None:
         conn = await AsyncConnection.connect(self._dsn, autocommit=True, connect_timeout=10,
                                              application_name=self._application_name)
+        listening = False
         try:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            listening = True
             self.backend_pid = conn.info.backend_pid
             self.connects += 1
             if self.connects > 1:
@@ -71,6 +77,8 @@ class Listener:
                     self._dispatch(n.payload)
                 await conn.execute("SELECT 1")
         finally:
+            if listening:
+                self._on_disconnect()
             await conn.close()
 
     def _dispatch(self, payload: str) -> None:
@@ -78,8 +86,13 @@ class Listener:
             msg = json.loads(payload)
             queue = str(msg["queue"])
             run_at = msg.get("run_at")
-            self._on_notify(queue, float(run_at) if run_at is not None else None)
+            # [[priority, earliest run_at], ...] of the rows it made queued; absent from a
+            # hand-made NOTIFY: the fetcher then looks at the queue's every lane.
+            lanes = msg.get("lanes")
+            if lanes is not None and not isinstance(lanes, list):
+                raise TypeError("lanes")
+            self._on_notify(queue, float(run_at) if run_at is not None else None, lanes)
         except (ValueError, KeyError, TypeError):
             # Someone NOTIFYed our channel by hand: treat it as "something may be due".
             log.debug("unrecognised notification payload %r; waking anyway", payload[:200])
-            self._on_notify(None, None)
+            self._on_notify(None, None, None)

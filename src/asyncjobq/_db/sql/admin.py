@@ -12,6 +12,7 @@ from .common import (
     _advisory_xact_lock,
     _q,
     history_row,
+    notify_lanes,
 )
 
 
@@ -129,12 +130,10 @@ class AdminStatements(Role):
             " UPDATE {s}.jobs j SET status = 'queued', attempts = 0, run_at = now(),"
             "   finished_at = NULL"
             " FROM chosen WHERE j.id = chosen.id AND j.status = 'failed'"
-            " RETURNING j.queue)"
+            " RETURNING j.queue, j.priority, j.run_at)"
             " SELECT (SELECT count(*) FROM requeued),"
-            " (SELECT count(*) FROM matching) - (SELECT count(*) FROM requeued),"
-            " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
-            "   'queue', queue, 'run_at', extract(epoch FROM now()))::text)"
-            "   FROM (SELECT DISTINCT queue FROM requeued) d) n)",
+            " (SELECT count(*) FROM matching) - (SELECT count(*) FROM requeued), "
+            + notify_lanes("requeued"),
             self.schema,
         )
 
@@ -210,7 +209,9 @@ class AdminStatements(Role):
             "WITH removed AS (DELETE FROM {s}.paused_queues WHERE queue = %(queue)s"
             "   RETURNING queue)"
             " SELECT count(*), (SELECT count(*) FROM (SELECT pg_notify(%(channel)s,"
-            "   json_build_object('queue', queue, 'run_at', extract(epoch FROM now()))::text)"
+            "   json_build_object('queue', queue, 'run_at', extract(epoch FROM now()),"
+            # No row became queued: nothing to lower a floor for (_worker/floors.py).
+            "   'lanes', '[]'::json)::text)"
             "   FROM removed) n) FROM removed",
             self.schema,
         )

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from psycopg import sql
 
-from .common import HISTORY_COLUMNS, Role, history_row
+from .common import HISTORY_COLUMNS, Role, history_row, notify_lanes
 
 # Columns of JobSummary (job.py), in this order: no payload, the error cut short.
 # last_error holds every attempt's error, oldest first (claim.py): the list shows its newest
@@ -121,9 +121,8 @@ class BrowseStatements(Role):
             " WHERE j.id = %(id)s AND j.status = 'failed' AND (j.dedup_key IS NULL"
             "   OR NOT EXISTS (SELECT 1 FROM {s}.jobs o WHERE o.dedup_key = j.dedup_key"
             "     AND o.status IN ('queued', 'running')))"
-            " RETURNING j.queue)"
-            " SELECT queue, pg_notify(%(channel)s, json_build_object("
-            "   'queue', queue, 'run_at', extract(epoch FROM now()))::text) FROM requeued")
+            " RETURNING j.queue, j.priority, j.run_at)"
+            " SELECT queue, " + notify_lanes("requeued") + " FROM requeued")
 
     def job_cancel_queued(self, *, queue: bool, task: bool, max_id: bool = False,
                           capped: bool = False) -> sql.Composed:

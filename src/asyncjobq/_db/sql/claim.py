@@ -8,7 +8,7 @@ from functools import cached_property
 
 from psycopg import sql
 
-from .common import CLAIM_COLUMNS, Role, _q, history_row
+from .common import CLAIM_COLUMNS, Role, _q, history_row, notify_lanes
 
 # Not ended by this statement: a running row r of this worker whose attempt a completion
 # folded into the same statement finishes no longer runs (flow_out; for a key, `final` ones
@@ -133,6 +133,95 @@ class WorkerStatements(Role):
     @cached_property
     def job_claim_many_queues(self) -> sql.Composed:
         return self._compose(self._job_claim_update(self._next_due_many_queues()))
+
+    # --- claims from floors (docs/how-it-works/storage.md) -----------------------------------
+    # Under a pinned xmin horizon nothing can remove the index entries that claimed rows leave
+    # behind in jobs_dequeue_idx, and a scan from the start of a (queue, priority) lane reads
+    # every one of them. The worker keeps, per lane, a floor: a (run_at, id) below which its
+    # last claim saw no queued row (_worker/floors.py), and these claims start there. Each
+    # also reads each lane's first queued row at or past its floor (`peek`, a plain read: a
+    # row another claim has locked but not committed is still queued to it, and counts), the
+    # lane's next floor. A row that becomes queued below a floor afterwards is written by a
+    # statement that notifies the queue with its lanes' earliest run_at (jobs_notify and
+    # every statement that requeues), and the notification lowers the floor.
+    # Parameters: %(lane_queue)s, %(lane_priority)s, %(lane_at)s, %(lane_id)s, one element per
+    # lane, in priority order (highest first).
+    _LANES = (
+        "lanes AS MATERIALIZED (SELECT * FROM unnest(%(lane_queue)s::text[],"
+        " %(lane_priority)s::int[], %(lane_at)s::timestamptz[], %(lane_id)s::bigint[])"
+        " WITH ORDINALITY AS l(queue, priority, at, id, ord))")
+
+    @staticmethod
+    def _next_due_from_floors(one_queue: bool) -> str:
+        # A lane's due rows are one range of jobs_dequeue_idx from its floor on. For one queue
+        # the lanes come in priority order and are read in turn as far as the LIMIT pulls (a
+        # nested loop: no sort, and only rows it returns are locked); several queues' lanes
+        # are merged by claim order, as _next_due_many_queues does.
+        lane = (
+            "SELECT j.id, j.priority, j.run_at FROM {s}.jobs j"
+            " WHERE j.queue = l.queue AND j.status = 'queued' AND j.priority = l.priority"
+            "   AND (j.run_at, j.id) >= (l.at, l.id) AND j.run_at <= now()"
+            "   AND NOT EXISTS (SELECT FROM {s}.paused_queues pq WHERE pq.queue = l.queue)"
+            " ORDER BY j.run_at, j.id LIMIT %(limit)s FOR NO KEY UPDATE OF j SKIP LOCKED")
+        if one_queue:
+            return ("SELECT n.id FROM (SELECT * FROM lanes ORDER BY ord) l"
+                    f" CROSS JOIN LATERAL ({lane}) n LIMIT %(limit)s")
+        return ("SELECT n.id FROM lanes l CROSS JOIN LATERAL (" + lane + ") n"
+                " ORDER BY n.priority DESC, n.run_at, n.id LIMIT %(limit)s")
+
+    # Each lane's first queued row at or past its floor that this statement does not claim
+    # (the statement's snapshot still shows those queued), due or not: NULL when none.
+    _PEEK = (
+        "peek AS (SELECT l.queue, l.priority, f.run_at, f.id FROM lanes l LEFT JOIN LATERAL ("
+        " SELECT j.run_at, j.id FROM {s}.jobs j"
+        " WHERE j.queue = l.queue AND j.status = 'queued' AND j.priority = l.priority"
+        "   AND (j.run_at, j.id) >= (l.at, l.id)"
+        "   AND NOT EXISTS (SELECT FROM claimed c WHERE c.id = j.id)"
+        " ORDER BY j.run_at, j.id LIMIT 1) f ON true)")
+    # The floors come back as one marker row (id NULL, task 'floors'), typed as CLAIM_COLUMNS
+    # are, with [[queue, priority, run_at, id], ...] in the payload column.
+    FLOORS_MARKER = "floors"
+    _FLOORS_ROW = (
+        "SELECT NULL::bigint, 'floors'::text, NULL::text,"
+        " (SELECT coalesce(jsonb_agg(jsonb_build_array(queue, priority, run_at, id)), '[]')"
+        "  FROM peek), NULL::int, NULL::int, NULL::int, NULL::timestamptz, NULL::timestamptz,"
+        " NULL::jsonb")
+
+    def _job_claim_from_floors(self, one_queue: bool) -> sql.Composed:
+        return self._compose(
+            "WITH " + self._LANES + ", claimed AS ("
+            + self._job_claim_update(self._next_due_from_floors(one_queue)) + "), "
+            + self._PEEK + " SELECT {c} FROM claimed UNION ALL " + self._FLOORS_ROW)
+
+    @cached_property
+    def job_claim_one_queue_from_floors(self) -> sql.Composed:
+        return self._job_claim_from_floors(one_queue=True)
+
+    @cached_property
+    def job_claim_many_queues_from_floors(self) -> sql.Composed:
+        return self._job_claim_from_floors(one_queue=False)
+
+    @cached_property
+    def lanes_discover(self) -> sql.Composed:
+        # A worker that knows no floors for %(queues)s (it started, or its LISTEN connection
+        # was down and notifications may be lost): each queue's lanes, by a walk of
+        # jobs_dequeue_idx from each priority's start, and each lane's first queued row. Only
+        # this statement reads every entry a pinned horizon left; the claims that follow
+        # start from its floors.
+        return self._compose(
+            "SELECT q.name, p.priority, f.run_at, f.id FROM unnest(%(queues)s::text[]) AS q(name)"
+            " CROSS JOIN LATERAL (WITH RECURSIVE p AS ("
+            "  (SELECT priority FROM {s}.jobs WHERE queue = q.name AND status = 'queued'"
+            "   ORDER BY priority DESC LIMIT 1)"
+            "  UNION ALL"
+            "  SELECT (SELECT j.priority FROM {s}.jobs j"
+            "   WHERE j.queue = q.name AND j.status = 'queued' AND j.priority < p.priority"
+            "   ORDER BY j.priority DESC LIMIT 1)"
+            "  FROM p WHERE p.priority IS NOT NULL)"
+            "  SELECT priority FROM p WHERE priority IS NOT NULL) p"
+            " CROSS JOIN LATERAL (SELECT j.run_at, j.id FROM {s}.jobs j"
+            "  WHERE j.queue = q.name AND j.status = 'queued' AND j.priority = p.priority"
+            "  ORDER BY j.run_at, j.id LIMIT 1) f")
 
     # --- claims of a worker that has limited tasks (0007_flow_control.sql) ------------------
     # The same claim, plus %(limits)s ({task: {"c": n, "k": n, "r": [n, seconds]}}, the
@@ -296,14 +385,21 @@ class WorkerStatements(Role):
         "  FROM mine m"
         "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind <> 'done')) AND j.id = m.id"
         "    AND j.status = 'running' AND j.locked_by = %(worker)s"
-        "  RETURNING j.id)"
+        "  RETURNING j.id, j.status, j.queue, j.priority, j.run_at),"
+        # Retried and snoozed rows are queued again: their queues' workers hear of them, with
+        # their lanes (a floor above them is lowered). Referenced by every statement below as
+        # a branch that returns no row, so that it is evaluated.
+        " requeued AS (SELECT " + notify_lanes("(SELECT * FROM updated WHERE status = 'queued') u")
+        + " AS n)"
     )
+    _REQUEUED_NONE = " UNION ALL SELECT {nulls} FROM requeued WHERE n < 0"
 
     @cached_property
     def job_set_outcome_if_running_many(self) -> sql.Composed:
         return self._compose(
             "WITH " + self._OUTCOME_CTES
-            + " SELECT id FROM archived UNION ALL SELECT id FROM updated")
+            + " SELECT id FROM archived UNION ALL SELECT id FROM updated"
+            + self._REQUEUED_NONE.format(nulls="NULL::bigint"))
 
     def _job_set_outcome_then_claim(self, next_due: str) -> sql.Composed:
         # The flush and the next claim in one statement, one round trip and one commit: the
@@ -317,7 +413,30 @@ class WorkerStatements(Role):
             + ", claimed AS (" + self._job_claim_update(next_due) + ")"
             " SELECT true, {c} FROM claimed"
             f" UNION ALL SELECT false, id{nulls} FROM archived"
-            f" UNION ALL SELECT false, id{nulls} FROM updated")
+            f" UNION ALL SELECT false, id{nulls} FROM updated"
+            + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
+
+    def _job_set_outcome_then_claim_from_floors(self, one_queue: bool) -> sql.Composed:
+        # As above, the claim from floors; its floors marker row comes with NULL first.
+        nulls = ", NULL" * CLAIM_COLUMNS.count(",")
+        return self._compose(
+            "WITH " + self._OUTCOME_CTES + ", " + self._LANES
+            + ", claimed AS (" + self._job_claim_update(self._next_due_from_floors(one_queue))
+            + "), " + self._PEEK +
+            " SELECT true, {c} FROM claimed"
+            " UNION ALL SELECT NULL, m.* FROM (" + self._FLOORS_ROW + ") m"
+            f" UNION ALL SELECT false, id{nulls} FROM archived"
+            f" UNION ALL SELECT false, id{nulls} FROM updated"
+            + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
+
+    @cached_property
+    def job_set_outcome_if_running_many_then_claim_one_queue_from_floors(self) -> sql.Composed:
+        return self._job_set_outcome_then_claim_from_floors(one_queue=True)
+
+    @cached_property
+    def job_set_outcome_if_running_many_then_claim_many_queues_from_floors(
+            self) -> sql.Composed:
+        return self._job_set_outcome_then_claim_from_floors(one_queue=False)
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_one_queue(self) -> sql.Composed:
@@ -342,7 +461,8 @@ class WorkerStatements(Role):
             + " SELECT true, {c} FROM claimed"
             " UNION ALL SELECT NULL, m.* FROM (" + self._held_marker(queue_of) + ") m"
             f" UNION ALL SELECT false, id{nulls} FROM archived"
-            f" UNION ALL SELECT false, id{nulls} FROM updated")
+            f" UNION ALL SELECT false, id{nulls} FROM updated"
+            + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_one_queue_limited(self) -> sql.Composed:
@@ -402,11 +522,14 @@ class WorkerStatements(Role):
             " WHERE j.status = 'running' AND j.locked_by = %(worker)s"
             "   AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(attempts)s::int[])"
             "     AS h(id, attempt) WHERE h.id = j.id AND h.attempt = j.attempts)"
-            " RETURNING j.id, j.queue)"
-            " SELECT (SELECT coalesce(array_agg(id), '{{}}') FROM released),"
-            " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
-            "   'queue', queue, 'run_at', extract(epoch FROM now()))::text)"
-            "   FROM (SELECT DISTINCT queue FROM released) d) n)",
+            " RETURNING j.id, j.queue, j.priority, j.run_at, j.status)"
+            " SELECT (SELECT coalesce(array_agg(id), '{{}}') FROM released), "
+            + notify_lanes("(SELECT * FROM released WHERE status = 'queued') r") + ","
+            # The lanes it requeued into, [[queue, priority, earliest run_at], ...]: this
+            # worker's own next claim must not wait for the notification to lower its floors.
+            " (SELECT coalesce(json_agg(json_build_array(queue, priority,"
+            "   extract(epoch FROM at))), '[]') FROM (SELECT queue, priority, min(run_at) AS at"
+            "   FROM released WHERE status = 'queued' GROUP BY queue, priority) l)",
             self.schema,
         )
 
@@ -424,10 +547,8 @@ class WorkerStatements(Role):
             "   attempts = greatest(attempts - 1, 0), locked_by = NULL, locked_at = NULL"
             " WHERE id = %(id)s AND status = 'running' AND locked_by = %(worker)s"
             "   AND attempts = %(attempt)s"
-            " RETURNING id, queue, run_at)"
-            " SELECT id, (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
-            "   'queue', queue, 'run_at', extract(epoch FROM run_at))::text) FROM moved) n)"
-            " FROM moved",
+            " RETURNING id, queue, priority, run_at)"
+            " SELECT id, " + notify_lanes("moved") + " FROM moved",
             self.schema,
         )
 

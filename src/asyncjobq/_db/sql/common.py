@@ -32,6 +32,20 @@ def history_row(status: str) -> str:
             " dedup_key, locked_by, last_error, created_at, now(), key")
 
 
+def notify_lanes(rows: str) -> str:
+    """A scalar subquery that notifies %(channel)s once per queue of `rows` (any relation with
+    queue, priority and run_at: rows this statement made queued) and counts the notifications.
+    Each carries the queue's earliest run_at (when to wake) and, per priority, the earliest
+    run_at among them: a worker lowers its floors there (_worker/floors.py). Every statement
+    that makes rows queued, but an INSERT (jobs_notify does that one), must include it."""
+    return (
+        "(SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
+        "'queue', l.queue, 'run_at', extract(epoch FROM min(l.at)),"
+        " 'lanes', json_agg(json_build_array(l.priority, extract(epoch FROM l.at))))::text)"
+        f" FROM (SELECT queue, priority, min(run_at) AS at FROM {rows}"
+        " GROUP BY queue, priority) l GROUP BY l.queue) n)")
+
+
 @dataclass(frozen=True)
 class IndexDefinition:
     """An index as a migration creates it: `CREATE [UNIQUE] INDEX name ON table definition`,

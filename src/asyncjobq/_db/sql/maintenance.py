@@ -5,17 +5,10 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from .common import Role, _advisory_xact_lock, _q
+from .common import Role, _advisory_xact_lock, _q, notify_lanes
 
 
 class MaintenanceStatements(Role):
-    @property
-    def queue_notify(self) -> sql.SQL:
-        # Wake workers of a queue explicitly (requeued by the reaper, not by an INSERT).
-        return sql.SQL(
-            "SELECT pg_notify(%(channel)s, json_build_object("
-            "'queue', %(queue)s::text, 'run_at', extract(epoch FROM now()))::text)"
-        )
 
     @property
     def reaper_try_lock(self) -> sql.Composed:
@@ -25,12 +18,13 @@ class MaintenanceStatements(Role):
     def job_reap_stuck(self) -> sql.Composed:
         # Running rows whose holder stopped heartbeating for longer than the lease: requeue,
         # or fail once the attempts are spent (a job that keeps killing workers is a poison pill).
+        # Requeued rows wake their queues' workers with their lanes (notify_lanes).
         return _q(
             "WITH stuck AS ("
             " SELECT id, locked_by FROM {s}.jobs WHERE status = 'running'"
             "   AND locked_at < now() - make_interval(secs => %(lease)s)"
-            " ORDER BY locked_at LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED)"
-            " UPDATE {s}.jobs j SET"
+            " ORDER BY locked_at LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED),"
+            " reaped AS (UPDATE {s}.jobs j SET"
             "   status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed'"
             "                 ELSE 'queued' END::{s}.job_status,"
             "   finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,"
@@ -40,7 +34,9 @@ class MaintenanceStatements(Role):
             "            j.attempts, j.locked_by, j.locked_at)), 8000),"
             "   locked_by = NULL, locked_at = NULL"
             " FROM stuck WHERE j.id = stuck.id"
-            " RETURNING j.id, j.status::text, j.queue, j.task, stuck.locked_by",
+            " RETURNING j.id, j.status, j.queue, j.task, stuck.locked_by, j.priority, j.run_at)"
+            " SELECT id, status::text, queue, task, locked_by, "
+            + notify_lanes("(SELECT * FROM reaped WHERE status = 'queued') r") + " FROM reaped",
             self.schema,
         )
 

@@ -1,0 +1,263 @@
+"""Pinned horizon: jobs offered at a steady rate while something stops VACUUM, and what the
+workers' claims, the backlog and the hot table do meanwhile.
+
+    .venv/bin/python -m benchmarks.pinned --rate 1000 --pressure idle --pin 120
+    .venv/bin/python -m benchmarks.pinned --rate 2000 --pressure readers --pin 120
+
+Phases: `--warm` seconds clean, `--pin` seconds under pressure, `--after` seconds released.
+Pressure `idle`: a transaction that wrote a row (to a table of its own) and then sits idle.
+`readers`: 4 REPEATABLE READ sessions, each holding its snapshot for 30 s over a scan of
+jobs_history, started 7.5 s apart and renewed, so that a snapshot is always open.
+
+Claim time is what the workers' claim statements took, timed around the statement in each
+worker process (the fetcher's claims and the completer's flushes that carry one); the
+figures are per phase. Throughput is jobs finished per second; backlog is the jobs queued
+at each sample. Writes benchmarks/results/pinned-<pressure>-<rate>.json.
+Uses $ASYNCJOBQ_DSN when set, else the embedded PostgreSQL of benchmarks/common.py.
+
+This file is also the workers' APP (`benchmarks.pinned:queue`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from asyncjobq import Job, Queue
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SCHEMA = "pinned"
+DSN_ENV = "ASYNCJOBQ_PINNED_DSN"
+TIMINGS_ENV = "ASYNCJOBQ_PINNED_TIMINGS"
+
+queue = Queue(os.environ.get(DSN_ENV), schema=SCHEMA, pool_max_size=4)
+
+
+@queue.task(name="noop")
+async def noop(job: Job) -> None:
+    pass
+
+
+def _time_claims(path: str) -> None:
+    """In a worker process: record (end time, seconds) of every claim statement."""
+    from asyncjobq._worker import completer, fetcher
+
+    out: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    def timed(fn: Any) -> Any:
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                with lock:
+                    out.append((time.time(), time.perf_counter() - t))
+        return wrapper
+
+    fetcher.Fetcher.claim = timed(fetcher.Fetcher.claim)  # type: ignore[method-assign]
+    completer.Completer._set_outcomes_then_claim = timed(  # type: ignore[method-assign]
+        completer.Completer._set_outcomes_then_claim)
+
+    def flush() -> None:
+        while True:
+            time.sleep(1.0)
+            with lock:
+                batch = out[:]
+                out.clear()
+            if batch:
+                with open(path, "a") as f:
+                    f.writelines(f"{a:.4f} {b:.6f}\n" for a, b in batch)
+
+    threading.Thread(target=flush, daemon=True).start()
+
+
+if os.environ.get(TIMINGS_ENV):
+    _time_claims(os.environ[TIMINGS_ENV])
+
+
+STATS = sql.SQL(
+    "SELECT pg_total_relation_size({j}::regclass), coalesce(s.n_dead_tup, 0),"
+    " (SELECT count(*) FILTER (WHERE status = 'queued') FROM {s}.jobs),"
+    " (SELECT coalesce(sum(n), 0) FROM {s}.history_counts)"
+    " FROM pg_stat_user_tables s WHERE s.relid = {j}::regclass")
+
+
+class Run:
+    def __init__(self, dsn: str, a: argparse.Namespace) -> None:
+        self.dsn, self.a = dsn, a
+        self.q = Queue(dsn, schema=SCHEMA, pool_max_size=8)
+        self.stop = asyncio.Event()
+        self.samples: list[dict[str, Any]] = []
+        self.phase = "warm"
+        self.timings = RESULTS / f".pinned-timings-{os.getpid()}"
+
+    async def produce(self) -> None:
+        tick = 0.05
+        chunk = max(1, round(self.a.rate * tick))
+        next_at = time.monotonic()
+        while not self.stop.is_set():
+            await self.q.enqueue_many("noop", [{}] * chunk)
+            next_at += chunk / self.a.rate
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    async def sample(self) -> dict[str, Any]:
+        async with self.q.connection() as conn:
+            cur = await conn.execute(STATS.format(j=sql.Literal(f"{SCHEMA}.jobs"),
+                                                  s=sql.Identifier(SCHEMA)))
+            size, dead, queued, done = await cur.fetchone() or (0, 0, 0, 0)
+        return {"t": time.time(), "phase": self.phase, "size": int(size), "dead": int(dead),
+                "queued": int(queued), "done": int(done)}
+
+    async def hold_idle(self) -> None:
+        async with await psycopg.AsyncConnection.connect(self.dsn) as c:
+            await c.execute("CREATE TABLE IF NOT EXISTS public.pinned_bench_pin (x int)")
+            await c.commit()
+            await c.execute("INSERT INTO public.pinned_bench_pin VALUES (1)")
+            await self.stop_pin.wait()
+            await c.rollback()
+
+    async def reader(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        async with await psycopg.AsyncConnection.connect(self.dsn) as c:
+            while not self.stop_pin.is_set():
+                await c.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                await c.execute(sql.SQL("SELECT count(*) FROM {}.jobs_history").format(
+                    sql.Identifier(SCHEMA)))
+                try:
+                    await asyncio.wait_for(self.stop_pin.wait(), 30.0)
+                except TimeoutError:
+                    pass
+                await c.execute("COMMIT")
+
+    async def run(self) -> None:
+        a = self.a
+        env = {**os.environ, DSN_ENV: self.dsn, TIMINGS_ENV: str(self.timings)}
+        self.timings.unlink(missing_ok=True)
+        async with self.q:
+            async with self.q.connection() as conn:
+                await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                    sql.Identifier(SCHEMA)))
+            await self.q.install()
+            procs = [_spawn(env, a) for _ in range(a.workers)]
+            self.stop_pin = asyncio.Event()
+            producer = asyncio.create_task(self.produce())
+            pressure: list[asyncio.Task[None]] = []
+            try:
+                t0 = time.monotonic()
+                ends = {"warm": a.warm, "pinned": a.warm + a.pin,
+                        "after": a.warm + a.pin + a.after}
+                while True:
+                    await asyncio.sleep(a.window)
+                    el = time.monotonic() - t0
+                    if self.phase == "warm" and el >= ends["warm"]:
+                        self.phase = "pinned"
+                        pressure = ([asyncio.create_task(self.hold_idle())]
+                                    if a.pressure == "idle" else
+                                    [asyncio.create_task(self.reader(i * 7.5))
+                                     for i in range(4)])
+                    elif self.phase == "pinned" and el >= ends["pinned"]:
+                        self.stop_pin.set()
+                        await asyncio.gather(*pressure)
+                        self.phase = "after"
+                    elif self.phase == "after" and el >= ends["after"]:
+                        break
+                    s = await self.sample()
+                    self.samples.append(s)
+                    print(json.dumps(s), flush=True)
+            finally:
+                self.stop.set()
+                self.stop_pin.set()
+                await producer
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    p.wait(30)
+        await asyncio.sleep(1.5)  # the timing threads' last flush
+
+    def report(self) -> dict[str, Any]:
+        a = self.a
+        timings = [tuple(map(float, line.split())) for line in
+                   self.timings.read_text().splitlines()] if self.timings.exists() else []
+        self.timings.unlink(missing_ok=True)
+        out: dict[str, Any] = {"args": vars(a), "phases": {}}
+        s = self.samples
+        for phase in ("warm", "pinned", "after"):
+            ps = [x for x in s if x["phase"] == phase]
+            if len(ps) < 2:
+                continue
+            # The first window of a phase started in the previous one.
+            first, last = ps[0], ps[-1]
+            rate = (last["done"] - first["done"]) / (last["t"] - first["t"])
+            ms = sorted(d * 1000 for t, d in timings if first["t"] <= t <= last["t"])
+            q = statistics.quantiles(ms, n=100) if len(ms) >= 100 else [float("nan")] * 99
+            out["phases"][phase] = {
+                "throughput": round(rate, 1), "offered": a.rate,
+                "of_offered": round(rate / a.rate, 4),
+                "backlog_max": max(x["queued"] for x in ps),
+                "backlog_end": last["queued"],
+                "claim_ms_p50": round(statistics.median(ms), 3) if ms else None,
+                "claim_ms_p99": round(q[98], 3), "claims": len(ms),
+                "size_bytes_end": last["size"], "dead_end": last["dead"],
+                "size_bytes_max": max(x["size"] for x in ps),
+            }
+        pinned = [x for x in s if x["phase"] == "pinned"]
+        if pinned:
+            start = pinned[0]["t"]
+            out["pinned_sizes"] = [[round(x["t"] - start), x["size"], x["dead"]]
+                                   for x in pinned]
+        return out
+
+
+def _spawn(env: dict[str, str], a: argparse.Namespace) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncjobq", "worker", "benchmarks.pinned:queue",
+         "--log-level", "warning", "--concurrency", str(a.concurrency), "--batch", str(a.batch)],
+        cwd=HERE.parent, env=env)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", type=int, default=1000)
+    p.add_argument("--pressure", choices=["idle", "readers"], default="idle")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=20)
+    p.add_argument("--batch", type=int, default=10)
+    p.add_argument("--warm", type=float, default=30)
+    p.add_argument("--pin", type=float, default=120)
+    p.add_argument("--after", type=float, default=20)
+    p.add_argument("--window", type=float, default=5)
+    p.add_argument("--label", default="")
+    a = p.parse_args()
+    from benchmarks.common import start_server
+    server = start_server()
+    try:
+        run = Run(server.dsn, a)
+        asyncio.run(run.run())
+        out = run.report()
+        out["server"] = server.info
+    finally:
+        server.stop()
+    RESULTS.mkdir(exist_ok=True)
+    name = f"pinned-{a.pressure}-{a.rate}{'-' + a.label if a.label else ''}.json"
+    (RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out["phases"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
