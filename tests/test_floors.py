@@ -215,3 +215,41 @@ async def test_jobs_written_while_notifications_were_lost_are_claimed(
             await wait_for(lambda: len(done) == 22, 10, what="the requeued job run")
         finally:
             floors_module.REDISCOVER_EVERY = every
+
+
+def test_a_claim_in_flight_across_a_reconnect_cannot_raise_a_floor_again() -> None:
+    f = Floors(["a"])
+    _known(f, ("a", 0, 5, 1))
+    stale, _ = f.begin()
+    f.forget()
+    _known(f, ("a", 0, 3, 2))  # rediscovered: a row written while deaf, below the old floor
+    f.settle(stale, [["a", 0, _at(9).isoformat(), 3]])
+    assert _floor(f, "a", 0) == (_at(3), 2)
+
+
+def test_run_ats_out_of_range_lower_a_floor_to_the_bottom() -> None:
+    f = Floors(["a"])
+    _known(f, ("a", 0, 5, 1))
+    f.lower("a", [[0, float("-inf")], [1, float("inf")], [2, 1e15]])
+    assert _floor(f, "a", 0) == floors_module.BOTTOM
+
+
+async def test_jobs_due_at_infinity_or_in_a_far_century_stop_no_claim(
+        queue: Queue) -> None:
+    done: list[int] = []
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        done.append(job.id)
+
+    async with running(Worker(queue, concurrency=5)) as w:
+        assert w.fetcher is not None
+        await wait_for(lambda: w.fetcher is not None and w.fetcher.floors.ready(), 10,
+                       what="floors known")
+        await execute(queue, "SELECT {s}.enqueue('t', '{{}}', run_at => 'infinity')")
+        await execute(queue, "SELECT {s}.enqueue('t', '{{}}', run_at => '12025-01-01')")
+        await queue.enqueue_many("t", [{}] * 5)
+        await wait_for(lambda: len(done) == 5, 10, what="the due jobs run")
+        await queue.enqueue_many("t", [{}] * 5)
+        await wait_for(lambda: len(done) == 10, 10, what="the next jobs run")
+        assert w.fetcher.floors.ready()

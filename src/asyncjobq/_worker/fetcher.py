@@ -321,8 +321,9 @@ class Fetcher:
         return FoldedClaim(query, params, limit, token)
 
     def folded_claimed(self, rows: Sequence[Sequence[Any]], claim: FoldedClaim) -> None:
+        jobs = self._jobs(rows, claim.token)
         self._reserved -= claim.reserved
-        self._hand_out(self._jobs(rows, claim.token))
+        self._hand_out(jobs)
 
     def _hand_out(self, jobs: list[Job]) -> None:
         # Told first: the on_claimed hook's task then starts before the handlers' (on_started).

@@ -43,6 +43,10 @@ MARGIN = timedelta(milliseconds=1)
 # Lanes are walked from their start again this often: a row requeued by hand (an UPDATE in
 # psql) sends no notification; it is claimed within this long.
 REDISCOVER_EVERY = 300.0
+# A claim reads its lanes' next floors one time in this many: reading them costs each claim
+# an index scan per lane; a floor left behind meanwhile costs the next claims the entries of
+# the few batches claimed since.
+PEEK_EVERY = 4
 
 Floor = tuple[datetime, int]
 
@@ -76,6 +80,7 @@ class Floors:
             return []
         if time.monotonic() - self._discovered_at > REDISCOVER_EVERY:
             self._lanes.clear()
+            self._distrust_in_flight()
         return [q for q in sorted(self._queues) if q not in self._lanes]
 
     def ready(self) -> bool:
@@ -88,6 +93,7 @@ class Floors:
         lanes = sorted(((q, p, f) for q, ps in self._lanes.items() for p, f in ps.items()),
                        key=lambda x: -x[1])
         return token, {
+            "peek": token % PEEK_EVERY == 0,
             "lane_queue": [q for q, _, _ in lanes],
             "lane_priority": [p for _, p, _ in lanes],
             "lane_at": [f[0] for _, _, f in lanes],
@@ -102,6 +108,9 @@ class Floors:
     def settle(self, token: int, peeks: Iterable[Sequence[Any]]) -> None:
         """The claim's floors came back: [queue, priority, run_at or None, id or None] each."""
         since = self._in_flight.pop(token, self._last)
+        if since < 0:
+            self._prune()
+            return  # read before notifications were lost: its floors may hide what they told
         for q, p, at, i in peeks:
             lanes = self._lanes.get(q)
             if lanes is None or p not in lanes:
@@ -133,6 +142,9 @@ class Floors:
         self._lanes.clear()
         self._pending.entries.clear()
         self._last = next(self._serial)
+        self._distrust_in_flight()
+
+    def _distrust_in_flight(self) -> None:
         for token in self._in_flight:
             self._in_flight[token] = -1  # a claim in flight now brings back nothing usable
 
@@ -148,7 +160,7 @@ class Floors:
                 self._pending.entries.append((serial, queue, None, BOTTOM))
             return
         for priority, epoch in lanes:
-            floor = (datetime.fromtimestamp(float(epoch), UTC) - MARGIN, 0)
+            floor = _floor_under(float(epoch))
             self._lower(queue, int(priority), floor)
             if self._in_flight:
                 self._pending.entries.append((serial, queue, int(priority), floor))
@@ -178,6 +190,15 @@ class Floors:
             return
         oldest = min(self._in_flight.values())
         self._pending.entries = [e for e in self._pending.entries if e[0] > oldest]
+
+
+def _floor_under(epoch: float) -> Floor:
+    # Just under a notified run_at; one out of datetime's range (a run_at of +-infinity, or
+    # centuries away) lowers the floor to the bottom, which the claims read as -infinity.
+    try:
+        return (datetime.fromtimestamp(epoch, UTC) - MARGIN, 0)
+    except (OverflowError, ValueError, OSError):
+        return BOTTOM
 
 
 def _timestamp(value: Any) -> datetime:

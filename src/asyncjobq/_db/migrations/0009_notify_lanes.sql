@@ -9,7 +9,10 @@ BEGIN
   PERFORM pg_notify(
     TG_TABLE_SCHEMA || '_jobs',
     json_build_object('queue', l.queue, 'run_at', extract(epoch FROM min(l.at)),
-                      'lanes', json_agg(json_build_array(l.priority, extract(epoch FROM l.at))))::text)
+                      -- Past 100 lanes the payload would near the 8,000-byte limit: none
+                      -- (the workers then walk the queue's lanes again).
+                      'lanes', CASE WHEN count(*) <= 100 THEN
+                        json_agg(json_build_array(l.priority, extract(epoch FROM l.at))) END)::text)
   FROM (SELECT n.queue, n.priority, min(n.run_at) AS at FROM new_jobs n
         GROUP BY n.queue, n.priority) l
   GROUP BY l.queue;

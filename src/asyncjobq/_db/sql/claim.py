@@ -41,6 +41,16 @@ _FLOW_FILTER = (
 _FLOW_SCAN = 1000
 
 
+# Floors travel to the worker and back as Python datetimes, which hold years 1 to 9999 only,
+# while run_at may be +-infinity (by hand in SQL) or far off (a delay of centuries): a floor
+# goes out clamped into that range, and one at the bottom of it comes back as -infinity.
+# Clamping down a floor above 9999 only hides jobs due after 9999.
+_CLAMPED = ("CASE WHEN {0} IS NOT NULL THEN least(greatest({0}, '0001-01-01 00:00:00+00'),"
+            " '9999-12-31 00:00:00+00') END")
+_FLOOR_AT = ("CASE WHEN l.at <= '0001-01-01 00:00:00+00' THEN '-infinity'::timestamptz"
+             " ELSE l.at END")
+
+
 class WorkerStatements(Role):
 
     def _job_claim_update(self, next_due: str) -> str:
@@ -160,7 +170,7 @@ class WorkerStatements(Role):
         lane = (
             "SELECT j.id, j.priority, j.run_at FROM {s}.jobs j"
             " WHERE j.queue = l.queue AND j.status = 'queued' AND j.priority = l.priority"
-            "   AND (j.run_at, j.id) >= (l.at, l.id) AND j.run_at <= now()"
+            "   AND (j.run_at, j.id) >= (" + _FLOOR_AT + ", l.id) AND j.run_at <= now()"
             "   AND NOT EXISTS (SELECT FROM {s}.paused_queues pq WHERE pq.queue = l.queue)"
             " ORDER BY j.run_at, j.id LIMIT %(limit)s FOR NO KEY UPDATE OF j SKIP LOCKED")
         if one_queue:
@@ -170,12 +180,16 @@ class WorkerStatements(Role):
                 " ORDER BY n.priority DESC, n.run_at, n.id LIMIT %(limit)s")
 
     # Each lane's first queued row at or past its floor that this statement does not claim
-    # (the statement's snapshot still shows those queued), due or not: NULL when none.
+    # (the statement's snapshot still shows those queued), due or not: NULL when none. Read
+    # only when %(peek)s: the worker asks every few claims (floors.py, PEEK_EVERY); a floor
+    # left where it was is only lower than it could be.
     _PEEK = (
-        "peek AS (SELECT l.queue, l.priority, f.run_at, f.id FROM lanes l LEFT JOIN LATERAL ("
+        "peek AS (SELECT l.queue, l.priority, "
+        + _CLAMPED.format("f.run_at") + " AS run_at, f.id"
+        " FROM lanes l LEFT JOIN LATERAL ("
         " SELECT j.run_at, j.id FROM {s}.jobs j"
         " WHERE j.queue = l.queue AND j.status = 'queued' AND j.priority = l.priority"
-        "   AND (j.run_at, j.id) >= (l.at, l.id)"
+        "   AND (j.run_at, j.id) >= (" + _FLOOR_AT + ", l.id)"
         "   AND NOT EXISTS (SELECT FROM claimed c WHERE c.id = j.id)"
         " ORDER BY j.run_at, j.id LIMIT 1) f ON true)")
     # The floors come back as one marker row (id NULL, task 'floors'), typed as CLAIM_COLUMNS
@@ -184,8 +198,8 @@ class WorkerStatements(Role):
     _FLOORS_ROW = (
         "SELECT NULL::bigint, 'floors'::text, NULL::text,"
         " (SELECT coalesce(jsonb_agg(jsonb_build_array(queue, priority, run_at, id)), '[]')"
-        "  FROM peek), NULL::int, NULL::int, NULL::int, NULL::timestamptz, NULL::timestamptz,"
-        " NULL::jsonb")
+        "  FROM peek WHERE %(peek)s), NULL::int, NULL::int, NULL::int, NULL::timestamptz,"
+        " NULL::timestamptz, NULL::jsonb")
 
     def _job_claim_from_floors(self, one_queue: bool) -> sql.Composed:
         return self._compose(
@@ -209,7 +223,8 @@ class WorkerStatements(Role):
         # this statement reads every entry a pinned horizon left; the claims that follow
         # start from its floors.
         return self._compose(
-            "SELECT q.name, p.priority, f.run_at, f.id FROM unnest(%(queues)s::text[]) AS q(name)"
+            "SELECT q.name, p.priority, " + _CLAMPED.format("f.run_at") + " AS run_at, f.id"
+            " FROM unnest(%(queues)s::text[]) AS q(name)"
             " CROSS JOIN LATERAL (WITH RECURSIVE p AS ("
             "  (SELECT priority FROM {s}.jobs WHERE queue = q.name AND status = 'queued'"
             "   ORDER BY priority DESC LIMIT 1)"

@@ -41,7 +41,10 @@ def notify_lanes(rows: str) -> str:
     return (
         "(SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
         "'queue', l.queue, 'run_at', extract(epoch FROM min(l.at)),"
-        " 'lanes', json_agg(json_build_array(l.priority, extract(epoch FROM l.at))))::text)"
+        # Past 100 lanes the payload would near PostgreSQL's 8,000 bytes: none, and the
+        # workers walk the queue's lanes again.
+        " 'lanes', CASE WHEN count(*) <= 100 THEN"
+        " json_agg(json_build_array(l.priority, extract(epoch FROM l.at))) END)::text)"
         f" FROM (SELECT queue, priority, min(run_at) AS at FROM {rows}"
         " GROUP BY queue, priority) l GROUP BY l.queue) n)")
 

@@ -248,7 +248,9 @@ class MaintenanceStatements(Role):
             "  RETURNING queue, run_at)"
             " SELECT (SELECT count(*) FROM jobs),"
             " (SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
-            "   'queue', queue, 'run_at', extract(epoch FROM run_at))::text)"
+            "   'queue', queue, 'run_at', extract(epoch FROM run_at),"
+            # jobs_notify named their lanes already: only a wake-up here.
+            "   'lanes', '[]'::json)::text)"
             "   FROM (SELECT DISTINCT queue, run_at FROM jobs WHERE run_at > now()) d) n)",
             self.schema,
         )
