@@ -20,6 +20,11 @@ from asyncjobq._worker.floors import TOP, Floors
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
+@pytest.fixture(autouse=True)
+def _floors_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCJOBQ_CLAIM_FLOORS", "1")
+
+
 def _at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 

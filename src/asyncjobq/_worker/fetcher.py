@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -48,6 +49,10 @@ HELD_RETRY = 0.1
 RATE_RETRY = 0.02
 # The task column of a claim's floors marker row (sql/claim.py).
 FLOORS = "floors"
+# Claims from floors are opt-in for now: they keep a pinned horizon from slowing the claim
+# (docs/how-it-works/storage.md), but cost a default drain about 15 % (benchmarks/limits_ab.py
+# against the code without them), which is not paid back yet.
+FLOORS_ENV = "ASYNCJOBQ_CLAIM_FLOORS"
 
 
 class Wakeup:
@@ -170,7 +175,7 @@ class Fetcher:
         """The LISTEN connection is (again) up: notifications sent while it was down are lost,
         so floors start over from a walk of every lane."""
         self.floors.forget()
-        self.floors.enabled = self._limits is None
+        self.floors.enabled = self._limits is None and os.environ.get(FLOORS_ENV) == "1"
         self.wakeup.set()
 
     def deaf(self) -> None:
