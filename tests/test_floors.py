@@ -36,13 +36,10 @@ def _known(f: Floors, *lanes: tuple[str, int, float, int]) -> None:
 
 
 def _floor(f: Floors, queue: str, priority: int) -> tuple[datetime, int]:
-    _, params = f.begin()
-    pairs = zip(params["lane_queue"], params["lane_priority"], params["lane_at"],  # type: ignore[call-overload]
-                params["lane_id"], strict=True)
-    for q, p, at, i in pairs:
-        if (q, p) == (queue, priority):
-            return at, i
-    raise KeyError((queue, priority))
+    floor = f.floor(queue, priority)
+    if floor is None:
+        raise KeyError((queue, priority))
+    return floor
 
 
 def test_a_claim_moves_each_floor_to_the_first_queued_row_it_saw() -> None:
@@ -51,7 +48,8 @@ def test_a_claim_moves_each_floor_to_the_first_queued_row_it_saw() -> None:
     _known(f, ("a", 0, 1, 1), ("a", 5, 2, 2))
     assert f.ready()
     token, params = f.begin()
-    assert params["lane_priority"] == [5, 0]  # claim order: the highest priority first
+    lanes = json.loads(str(params["lanes"]))
+    assert [p for _, p, _, _ in lanes] == [5, 0]  # claim order: the highest priority first
     f.settle(token, [["a", 0, _at(9).isoformat(), 7], ["a", 5, None, None]])
     assert _floor(f, "a", 0) == (_at(9), 7)
     assert _floor(f, "a", 5) == TOP
@@ -69,7 +67,7 @@ def test_a_notification_lowers_a_floor_and_outlives_a_claim_in_flight() -> None:
     # Heard before the next claim was sent: that claim started below it, its answer stands.
     f.lower("a", [[0, _at(1).timestamp()]])
     token, params = f.begin()
-    assert params["lane_at"][1] < _at(1)  # type: ignore[index]
+    assert datetime.fromisoformat(json.loads(str(params["lanes"]))[1][2]) < _at(1)
     f.settle(token, [["a", 0, _at(12).isoformat(), 11], ["a", 7, None, None]])
     assert _floor(f, "a", 0) == (_at(12), 11)
     # A notification for another worker's queue changes nothing here.
@@ -138,7 +136,7 @@ async def test_a_pinned_horizon_does_not_slow_a_claim_from_floors(queue: Queue,
 
     pin = _pin(pg_dsn)
     try:
-        w = Worker(queue, concurrency=20, batch_size=10)
+        w = Worker(queue, concurrency=20, batch_size=10, poll_interval=0.05)
         async with running(w):
             for _ in range(6):
                 await queue.enqueue_many("t", [{}] * 500)
@@ -147,6 +145,9 @@ async def test_a_pinned_horizon_does_not_slow_a_claim_from_floors(queue: Queue,
             assert fetcher is not None and fetcher.floors.ready()
             await t.enqueue({})
             await wait_for(lambda: len(done) == 3001, 10, what="the last job done")
+            # A claim reads its floors one time in PEEK_EVERY: the idle worker's next ones do.
+            await wait_for(lambda: _floor(fetcher.floors, "default", 0) == TOP, 10,
+                           what="the floor past the last job")
             _, lanes = fetcher.floors.begin()
         params = {"queue": "default", "worker": "probe", "limit": 10, **lanes}
         st = queue.sql

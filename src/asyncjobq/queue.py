@@ -15,7 +15,6 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
-from psycopg.sql import Composed
 from psycopg_pool import AsyncConnectionPool
 
 from . import tracing
@@ -44,7 +43,7 @@ from ._db import migrations
 from ._db.database import NOT_OPEN, Conn, Database
 from ._db.dsn import check_dsn, validate_schema
 from ._db.inserter import Inserter, write
-from ._db.sql import Statements
+from ._db.sql import Statement, Statements
 from ._maintenance.periodic import (
     Clock,
     Every,
@@ -702,7 +701,7 @@ class Queue:
             "retry_failed() again once those enqueues settle")
         return RetryResult(int(row[0]), int(row[1])) if row else RetryResult()
 
-    async def _requeue_failed(self, statement: Composed, params: dict[str, Any],
+    async def _requeue_failed(self, statement: Statement, params: dict[str, Any],
                               raced: str) -> tuple[Any, ...] | None:
         """Run a statement that requeues failed jobs; its row, or None. A UniqueViolation
         means a job with one of their dedup_keys was enqueued after the statement's snapshot:

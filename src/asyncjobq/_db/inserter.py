@@ -23,12 +23,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg.errors
-from psycopg import sql
 from psycopg.pq import TransactionStatus
 from psycopg_pool import PoolTimeout
 
 from ..errors import EnqueueConnectionError, EnqueueRefusedError, reason
 from .database import Conn, Database
+from .sql import Statement
 
 # Errors that one row can cause for the whole statement: a value PostgreSQL refuses (22xxx
 # data, 23xxx integrity), or rows too large together (54000, e.g. jsonb's 256 MB limit).
@@ -147,7 +147,7 @@ class Inserter:
         return await self._write(rows)
 
 
-async def write(db: Database, conn: Conn | None, statement: sql.Composed, params: Any, *,
+async def write(db: Database, conn: Conn | None, statement: Statement, params: Any, *,
                 what: str, resend: bool, advice: str) -> list[tuple[Any, ...]]:
     """Run an enqueue's INSERT and return its rows; a lost connection raises
     EnqueueConnectionError, saying whether `what` ("the job", "the 3 jobs") may exist.
@@ -187,7 +187,7 @@ async def write(db: Database, conn: Conn | None, statement: sql.Composed, params
                 raise _maybe_written(what, lost, advice) from None
 
 
-async def _write_on_callers(db: Database, conn: Conn, statement: sql.Composed, params: Any, *,
+async def _write_on_callers(db: Database, conn: Conn, statement: Statement, params: Any, *,
                             what: str, advice: str) -> list[tuple[Any, ...]]:
     # Outside a transaction block, an autocommit connection commits the INSERT by itself;
     # otherwise it is part of the caller's transaction, which dies with the connection.

@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 
 import anyio
 import psycopg
-from psycopg import sql
 from psycopg_pool import PoolTimeout
 
 from .._db.database import Database
 from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, Backoff, RetryPolicy
+from .._db.sql import Statement
 from ..errors import reason
 from ..job import Job
 from .floors import Floors
@@ -50,7 +50,7 @@ RATE_RETRY = 0.02
 # The task column of a claim's floors marker row (sql/claim.py).
 FLOORS = "floors"
 # Claims from floors are opt-in for now: they keep a pinned horizon from slowing the claim
-# (docs/how-it-works/storage.md), but cost a default drain about 15 % (benchmarks/limits_ab.py
+# (docs/how-it-works/storage.md), but cost a default drain about 13 % (benchmarks/limits_ab.py,
 # against the code without them), which is not paid back yet.
 FLOORS_ENV = "ASYNCJOBQ_CLAIM_FLOORS"
 
@@ -95,7 +95,7 @@ class Wakeup:
 class FoldedClaim(NamedTuple):
     """A claim for the completer to add to its flush (Fetcher.fold)."""
 
-    query: sql.Composed
+    query: Statement
     params: dict[str, object]
     reserved: int  # slots held for it until folded_claimed() or folded_failed()
     token: int | None  # its floors' (floors.py), when it claims from floors
@@ -254,7 +254,7 @@ class Fetcher:
             delay = self._held_retry.next()
         self.wakeup.at(time.monotonic() + delay)
 
-    def _statement(self, one_queue: sql.Composed, many_queues: sql.Composed) -> sql.Composed:
+    def _statement(self, one_queue: Statement, many_queues: Statement) -> Statement:
         return one_queue if self.single_queue else many_queues
 
     async def claim(self, limit: int) -> list[Job]:

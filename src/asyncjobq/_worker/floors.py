@@ -29,9 +29,9 @@ the rules above exclude.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -51,13 +51,6 @@ PEEK_EVERY = 4
 Floor = tuple[datetime, int]
 
 
-@dataclass
-class _Pending:
-    """Lowerings heard while claims were in flight: (serial, queue, priority, floor)."""
-
-    entries: list[tuple[int, str, int | None, Floor]] = field(default_factory=list)
-
-
 class Floors:
     def __init__(self, queues: Sequence[str], *, enabled: bool = True) -> None:
         self._queues = set(queues)
@@ -68,7 +61,8 @@ class Floors:
         self._serial = itertools.count(1)
         self._last = 0  # the serial of the latest lowering
         self._in_flight: dict[int, int] = {}  # claim token -> _last when its params were read
-        self._pending = _Pending()
+        # Lowerings heard while claims were in flight: (serial, queue, priority, floor).
+        self._pending: list[tuple[int, str, int | None, Floor]] = []
         self._discovered_at = 0.0
         self.discoveries = 0
 
@@ -86,6 +80,10 @@ class Floors:
     def ready(self) -> bool:
         return self.enabled and not self.unknown()
 
+    def floor(self, queue: str, priority: int) -> Floor | None:
+        """The lane's floor; None when the lane is not known."""
+        return self._lanes.get(queue, {}).get(priority)
+
     def begin(self) -> tuple[int, dict[str, object]]:
         """A claim is about to be sent: its token and its lane parameters (priority order)."""
         token = next(self._serial)
@@ -94,10 +92,9 @@ class Floors:
                        key=lambda x: -x[1])
         return token, {
             "peek": token % PEEK_EVERY == 0,
-            "lane_queue": [q for q, _, _ in lanes],
-            "lane_priority": [p for _, p, _ in lanes],
-            "lane_at": [f[0] for _, _, f in lanes],
-            "lane_id": [f[1] for _, _, f in lanes],
+            # A floor at the bottom goes as null, which the claim reads as -infinity.
+            "lanes": json.dumps([[q, p, None if f <= BOTTOM else f[0].isoformat(), f[1]]
+                                 for q, p, f in lanes], separators=(",", ":")),
         }
 
     def abandon(self, token: int) -> None:
@@ -140,7 +137,7 @@ class Floors:
     def forget(self) -> None:
         """The LISTEN connection (re)connected, or went down: notifications may be lost."""
         self._lanes.clear()
-        self._pending.entries.clear()
+        self._pending.clear()
         self._last = next(self._serial)
         self._distrust_in_flight()
 
@@ -157,13 +154,13 @@ class Floors:
         if lanes is None:
             self._lanes.pop(queue, None)
             if self._in_flight:
-                self._pending.entries.append((serial, queue, None, BOTTOM))
+                self._pending.append((serial, queue, None, BOTTOM))
             return
         for priority, epoch in lanes:
             floor = _floor_under(float(epoch))
             self._lower(queue, int(priority), floor)
             if self._in_flight:
-                self._pending.entries.append((serial, queue, int(priority), floor))
+                self._pending.append((serial, queue, int(priority), floor))
 
     def _lower(self, queue: str, priority: int | None, floor: Floor) -> None:
         lanes = self._lanes.get(queue)
@@ -180,16 +177,16 @@ class Floors:
         # Lowerings heard after the claim's parameters were read may concern commits its
         # snapshot did not see: they hold over the floors it brought back. since == -1: the
         # connection was lost meanwhile, and forget() already cleared every floor.
-        for serial, queue, priority, floor in self._pending.entries:
+        for serial, queue, priority, floor in self._pending:
             if serial > since:
                 self._lower(queue, priority, floor)
 
     def _prune(self) -> None:
         if not self._in_flight:
-            self._pending.entries.clear()
+            self._pending.clear()
             return
         oldest = min(self._in_flight.values())
-        self._pending.entries = [e for e in self._pending.entries if e[0] > oldest]
+        self._pending = [e for e in self._pending if e[0] > oldest]
 
 
 def _floor_under(epoch: float) -> Floor:
@@ -202,7 +199,13 @@ def _floor_under(epoch: float) -> Floor:
 
 
 def _timestamp(value: Any) -> datetime:
-    # From jsonb (the claims' marker row) an ISO string; from a column, a datetime.
+    # From jsonb (the claims' marker row) an ISO string, or "infinity", "-infinity", or a year
+    # past 9999, which no datetime holds: only a row due after 9999 is above TOP.
     if isinstance(value, datetime):
         return value
-    return datetime.fromisoformat(str(value))
+    if value == "-infinity":
+        return BOTTOM[0]
+    try:
+        return datetime.fromisoformat(str(value))
+    except ValueError:
+        return TOP[0]

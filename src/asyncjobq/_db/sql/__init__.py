@@ -16,14 +16,14 @@ from functools import cache
 from .admin import AdminStatements
 from .browse import BrowseStatements
 from .claim import WorkerStatements
-from .common import CLAIM_COLUMNS, HISTORY_COLUMNS, INFO_COLUMNS, IndexDefinition
+from .common import CLAIM_COLUMNS, HISTORY_COLUMNS, INFO_COLUMNS, IndexDefinition, Statement
 from .doctor import DoctorStatements
 from .enqueue import EnqueueStatements
 from .maintenance import MaintenanceStatements
 from .testing import TestingStatements
 
-__all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition", "Statements",
-           "statements"]
+__all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition", "Statement",
+           "Statements", "statements"]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from .common import (
     HISTORY_COLUMNS,
     INFO_COLUMNS,
     Role,
+    Statement,
     _advisory_xact_lock,
     _q,
     history_row,
@@ -20,19 +21,19 @@ class AdminStatements(Role):
     # --- install / migrations -------------------------------------------------------------
 
     @property
-    def install_lock(self) -> sql.Composed:
+    def install_lock(self) -> Statement:
         return _advisory_xact_lock(f"asyncjobq.install.{self.schema}", wait=True)
 
     @property
-    def schema_create(self) -> sql.Composed:
+    def schema_create(self) -> Statement:
         return _q("CREATE SCHEMA IF NOT EXISTS {s}", self.schema)
 
     @property
-    def search_path_set_local(self) -> sql.Composed:
+    def search_path_set_local(self) -> Statement:
         return _q("SET LOCAL search_path TO {s}", self.schema)
 
     @property
-    def migrations_table_create(self) -> sql.Composed:
+    def migrations_table_create(self) -> Statement:
         return _q(
             "CREATE TABLE IF NOT EXISTS {s}.migrations ("
             " version int PRIMARY KEY, name text NOT NULL,"
@@ -41,15 +42,15 @@ class AdminStatements(Role):
         )
 
     @property
-    def migration_versions(self) -> sql.Composed:
+    def migration_versions(self) -> Statement:
         return _q("SELECT version FROM {s}.migrations ORDER BY version", self.schema)
 
     @property
-    def migration_record(self) -> sql.Composed:
+    def migration_record(self) -> Statement:
         return _q("INSERT INTO {s}.migrations (version, name) VALUES (%s, %s)", self.schema)
 
     @property
-    def migrations_table_exists(self) -> sql.Composed:
+    def migrations_table_exists(self) -> Statement:
         return sql.SQL("SELECT to_regclass({}) IS NOT NULL").format(
             sql.Literal(f'"{self.schema}".migrations')
         )
@@ -57,14 +58,14 @@ class AdminStatements(Role):
     # --- read / admin ----------------------------------------------------------------------
 
     @property
-    def job_get_by_id(self) -> sql.Composed:
+    def job_get_by_id(self) -> Statement:
         return sql.SQL(
             "SELECT {c} FROM {s}.jobs WHERE id = %(id)s"
             " UNION ALL SELECT {c} FROM {s}.jobs_history WHERE id = %(id)s LIMIT 1"
         ).format(c=sql.SQL(INFO_COLUMNS), s=sql.Identifier(self.schema))
 
     @property
-    def job_count_by_queue_status(self) -> sql.Composed:
+    def job_count_by_queue_status(self) -> Statement:
         # History is not counted here but read from the counts its triggers keep
         # (0003_history_counts.sql): a few rows per queue, whatever the history's size. The
         # live table is counted: it holds only queued, running and failed jobs.
@@ -77,7 +78,7 @@ class AdminStatements(Role):
         )
 
     @property
-    def queue_health(self) -> sql.Composed:
+    def queue_health(self) -> Statement:
         # For `status`: oldest due queued job, stale running rows, completions in the last minute.
         # History is read once, for the last minute only: the BRIN index on finished_at limits
         # the scan to the ranges holding recent rows. A per-queue count of recent done rows
@@ -100,10 +101,10 @@ class AdminStatements(Role):
         )
 
     @property
-    def job_retry_failed(self) -> sql.Composed:
+    def job_retry_failed(self) -> Statement:
         return self.job_retry_failed_at_most(capped=False)
 
-    def job_retry_failed_at_most(self, *, capped: bool) -> sql.Composed:
+    def job_retry_failed_at_most(self, *, capped: bool) -> Statement:
         # `capped`: only the newest %(limit)s matching jobs (a bulk action's preview count).
         # At most one queued-or-running job per dedup_key (jobs_dedup_idx): of the matching
         # failed jobs sharing a key, only the newest is requeued, and none while a live job
@@ -138,7 +139,7 @@ class AdminStatements(Role):
         )
 
     @property
-    def periodic_schedule_ticks(self) -> sql.Composed:
+    def periodic_schedule_ticks(self) -> Statement:
         # For `schedules`: per name, the latest tick that got a job, the latest row of any
         # kind (where the scheduler goes on from) and the server's clock.
         return _q(
@@ -152,7 +153,7 @@ class AdminStatements(Role):
         )
 
     @property
-    def periodic_ticks_latest(self) -> sql.Composed:
+    def periodic_ticks_latest(self) -> Statement:
         # For `status`: every schedule the database knows of (the app is not loaded there).
         return _q(
             "SELECT name, max(tick) FILTER (WHERE enqueued) FROM {s}.periodic_ticks"
@@ -161,7 +162,7 @@ class AdminStatements(Role):
         )
 
     @property
-    def job_cancel(self) -> sql.Composed:
+    def job_cancel(self) -> Statement:
         return sql.SQL(
             "WITH cancelled AS ("
             " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *)"
@@ -173,7 +174,7 @@ class AdminStatements(Role):
     # --- limits (0007_flow_control.sql) ----------------------------------------------------
 
     @property
-    def flow_usage(self) -> sql.Composed:
+    def flow_usage(self) -> Statement:
         # Per limited task: its running jobs, the keys they hold, its starts in the last period.
         return _q(
             "SELECT t.task,"
@@ -191,7 +192,7 @@ class AdminStatements(Role):
     # --- pause / resume (0006_paused_queues.sql) --------------------------------------------
 
     @property
-    def queue_pause(self) -> sql.Composed:
+    def queue_pause(self) -> Statement:
         # Returns the row whether it was paused now or already: pausing twice is not an error.
         return _q(
             "WITH added AS (INSERT INTO {s}.paused_queues (queue) VALUES (%(queue)s)"
@@ -203,7 +204,7 @@ class AdminStatements(Role):
         )
 
     @property
-    def queue_resume(self) -> sql.Composed:
+    def queue_resume(self) -> Statement:
         # Wakes the queue's workers, as an enqueue does: they claim at once, not at their poll.
         return _q(
             "WITH removed AS (DELETE FROM {s}.paused_queues WHERE queue = %(queue)s"
@@ -221,21 +222,21 @@ class AdminStatements(Role):
     # pause committed are the claims that may not have seen it (Queue.pause waits them out).
     # pg_locks, not pg_stat_activity: any role may read it, whatever the application name.
     @property
-    def paused_queues_lockers(self) -> sql.Composed:
+    def paused_queues_lockers(self) -> Statement:
         return self._on_paused_queues(
             "SELECT coalesce(array_agg(DISTINCT virtualtransaction), '{{}}') FROM pg_locks"
             " WHERE relation = {t} AND pid <> pg_backend_pid()")
 
     @property
-    def paused_queues_lockers_left(self) -> sql.Composed:
+    def paused_queues_lockers_left(self) -> Statement:
         return self._on_paused_queues(
             "SELECT count(*) FROM pg_locks WHERE relation = {t}"
             " AND virtualtransaction = ANY(%(vxids)s::text[])")
 
-    def _on_paused_queues(self, template: str) -> sql.Composed:
+    def _on_paused_queues(self, template: str) -> Statement:
         table = sql.Identifier(self.schema, "paused_queues").as_string(None)
         return sql.SQL(template).format(t=sql.SQL("{}::regclass").format(sql.Literal(table)))
 
     @property
-    def queue_paused_list(self) -> sql.Composed:
+    def queue_paused_list(self) -> Statement:
         return _q("SELECT queue, paused_at FROM {s}.paused_queues ORDER BY queue", self.schema)

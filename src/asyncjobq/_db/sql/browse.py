@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from psycopg import sql
 
-from .common import HISTORY_COLUMNS, Role, history_row, notify_lanes
+from .common import HISTORY_COLUMNS, Role, Statement, history_row, notify_lanes
 
 # Columns of JobSummary (job.py), in this order: no payload, the error cut short.
 # last_error holds every attempt's error, oldest first (claim.py): the list shows its newest
@@ -39,7 +39,7 @@ def _and(*conditions: tuple[bool, str]) -> sql.SQL:
 
 
 class BrowseStatements(Role):
-    def job_page(self, *, queue: bool, task: bool, statuses: Sequence[str]) -> sql.Composed:
+    def job_page(self, *, queue: bool, task: bool, statuses: Sequence[str]) -> Statement:
         # Newest first, `id < before`. The live table (queued, running, failed) is read only
         # when one of those statuses is asked for (done and cancelled jobs are never in it), its
         # statuses written as literals so that the planner can use a partial index: failed
@@ -80,7 +80,7 @@ class BrowseStatements(Role):
                  hot_cte=hot_cte, hot_part=hot_part,
                  pairs=pairs, branch=branch, order=sql.SQL(order))
 
-    def job_count(self, *, queue: bool, task: bool, max_id: bool = False) -> sql.Composed:
+    def job_count(self, *, queue: bool, task: bool, max_id: bool = False) -> Statement:
         # The live table is counted; history is summed from history_counts (exact, a few rows)
         # unless a task is given, which only its index can count. `max_id` (live statuses
         # only: Queue.count_jobs checks) counts the jobs up to that id, as a bulk action's
@@ -101,7 +101,7 @@ class BrowseStatements(Role):
                  pairs=_and((queue, "queue = %(queue)s")))
 
     @property
-    def job_detail_by_id(self) -> sql.Composed:
+    def job_detail_by_id(self) -> Statement:
         return sql.SQL(
             "SELECT {hot} FROM {s}.jobs WHERE id = %(id)s"
             " UNION ALL SELECT {old} FROM {s}.jobs_history WHERE id = %(id)s LIMIT 1"
@@ -110,7 +110,7 @@ class BrowseStatements(Role):
                  s=sql.Identifier(self.schema))
 
     @property
-    def job_retry_one(self) -> sql.Composed:
+    def job_retry_one(self) -> Statement:
         # As job_retry_failed for one job: not while a live job holds its dedup_key (that
         # would break jobs_dedup_idx); a live job committed after the snapshot raises
         # UniqueViolation, and the caller runs it again.
@@ -125,7 +125,7 @@ class BrowseStatements(Role):
             " SELECT queue, " + notify_lanes("requeued") + " FROM requeued")
 
     def job_cancel_queued(self, *, queue: bool, task: bool, max_id: bool = False,
-                          capped: bool = False) -> sql.Composed:
+                          capped: bool = False) -> Statement:
         # `max_id`: only the jobs up to that id (those a bulk action's preview counted);
         # `capped`: only the newest %(limit)s of them (never more than the preview counted). The
         # DELETE checks status again: a job claimed meanwhile is left to run.
@@ -148,7 +148,7 @@ class BrowseStatements(Role):
                             (max_id, "id <= %(max_id)s"))))
 
     @property
-    def throughput_per_minute(self) -> sql.Composed:
+    def throughput_per_minute(self) -> Statement:
         # Done and cancelled from history through its BRIN index on finished_at (the ranges of
         # the last `minutes`); failed ones from the live table through jobs_failed_browse_idx.
         return self._compose(
@@ -164,7 +164,7 @@ class BrowseStatements(Role):
             " ORDER BY 1")
 
     @property
-    def workers_seen(self) -> sql.Composed:
+    def workers_seen(self) -> Statement:
         # No table of workers: a worker shows by the jobs it holds (locked_at, renewed by its
         # heartbeat) and the ones it finished lately (BRIN on finished_at). An idle one is not
         # seen; the leader is (leader table).

@@ -8,7 +8,7 @@ from functools import cached_property
 
 from psycopg import sql
 
-from .common import CLAIM_COLUMNS, Role, _q, history_row, notify_lanes
+from .common import CLAIM_COLUMNS, Role, Statement, _q, history_row, notify_lanes
 
 # Not ended by this statement: a running row r of this worker whose attempt a completion
 # folded into the same statement finishes no longer runs (flow_out; for a key, `final` ones
@@ -41,14 +41,14 @@ _FLOW_FILTER = (
 _FLOW_SCAN = 1000
 
 
-# Floors travel to the worker and back as Python datetimes, which hold years 1 to 9999 only,
-# while run_at may be +-infinity (by hand in SQL) or far off (a delay of centuries): a floor
-# goes out clamped into that range, and one at the bottom of it comes back as -infinity.
-# Clamping down a floor above 9999 only hides jobs due after 9999.
+# Floors are Python datetimes in the worker, years 1 to 9999 only, while run_at may be
+# +-infinity (set by hand) or centuries away. A floor at the bottom goes out as NULL, read as
+# -infinity; the peek's run_ats come back as jsonb text, which the worker maps (floors.py);
+# discovery's, as a column, come back clamped to that range (a floor held under 9999 only
+# hides jobs due after it).
+_FLOOR_AT = "coalesce(l.at, '-infinity')"
 _CLAMPED = ("CASE WHEN {0} IS NOT NULL THEN least(greatest({0}, '0001-01-01 00:00:00+00'),"
             " '9999-12-31 00:00:00+00') END")
-_FLOOR_AT = ("CASE WHEN l.at <= '0001-01-01 00:00:00+00' THEN '-infinity'::timestamptz"
-             " ELSE l.at END")
 
 
 class WorkerStatements(Role):
@@ -137,11 +137,11 @@ class WorkerStatements(Role):
             " ORDER BY c.priority DESC, c.run_at, c.id LIMIT %(limit)s")
 
     @cached_property
-    def job_claim_one_queue(self) -> sql.Composed:
+    def job_claim_one_queue(self) -> Statement:
         return self._compose(self._job_claim_update(self._next_due_one_queue()))
 
     @cached_property
-    def job_claim_many_queues(self) -> sql.Composed:
+    def job_claim_many_queues(self) -> Statement:
         return self._compose(self._job_claim_update(self._next_due_many_queues()))
 
     # --- claims from floors (docs/how-it-works/storage.md) -----------------------------------
@@ -154,12 +154,12 @@ class WorkerStatements(Role):
     # lane's next floor. A row that becomes queued below a floor afterwards is written by a
     # statement that notifies the queue with its lanes' earliest run_at (jobs_notify and
     # every statement that requeues), and the notification lowers the floor.
-    # Parameters: %(lane_queue)s, %(lane_priority)s, %(lane_at)s, %(lane_id)s, one element per
-    # lane, in priority order (highest first).
+    # Parameter %(lanes)s: [[queue, priority, floor run_at, floor id], ...] in priority order
+    # (highest first), one JSON text as the outcomes are (an encoder call, not four arrays').
     _LANES = (
-        "lanes AS MATERIALIZED (SELECT * FROM unnest(%(lane_queue)s::text[],"
-        " %(lane_priority)s::int[], %(lane_at)s::timestamptz[], %(lane_id)s::bigint[])"
-        " WITH ORDINALITY AS l(queue, priority, at, id, ord))")
+        "lanes AS MATERIALIZED (SELECT e->>0 AS queue, (e->>1)::int AS priority,"
+        " (e->>2)::timestamptz AS at, (e->>3)::bigint AS id, ord"
+        " FROM jsonb_array_elements(%(lanes)s::jsonb) WITH ORDINALITY AS l(e, ord))")
 
     @staticmethod
     def _next_due_from_floors(one_queue: bool) -> str:
@@ -184,9 +184,7 @@ class WorkerStatements(Role):
     # only when %(peek)s: the worker asks every few claims (floors.py, PEEK_EVERY); a floor
     # left where it was is only lower than it could be.
     _PEEK = (
-        "peek AS (SELECT l.queue, l.priority, "
-        + _CLAMPED.format("f.run_at") + " AS run_at, f.id"
-        " FROM lanes l LEFT JOIN LATERAL ("
+        "peek AS (SELECT l.queue, l.priority, f.run_at, f.id FROM lanes l LEFT JOIN LATERAL ("
         " SELECT j.run_at, j.id FROM {s}.jobs j"
         " WHERE j.queue = l.queue AND j.status = 'queued' AND j.priority = l.priority"
         "   AND (j.run_at, j.id) >= (" + _FLOOR_AT + ", l.id)"
@@ -201,22 +199,22 @@ class WorkerStatements(Role):
         "  FROM peek WHERE %(peek)s), NULL::int, NULL::int, NULL::int, NULL::timestamptz,"
         " NULL::timestamptz, NULL::jsonb")
 
-    def _job_claim_from_floors(self, one_queue: bool) -> sql.Composed:
+    def _job_claim_from_floors(self, one_queue: bool) -> Statement:
         return self._compose(
             "WITH " + self._LANES + ", claimed AS ("
             + self._job_claim_update(self._next_due_from_floors(one_queue)) + "), "
             + self._PEEK + " SELECT {c} FROM claimed UNION ALL " + self._FLOORS_ROW)
 
     @cached_property
-    def job_claim_one_queue_from_floors(self) -> sql.Composed:
+    def job_claim_one_queue_from_floors(self) -> Statement:
         return self._job_claim_from_floors(one_queue=True)
 
     @cached_property
-    def job_claim_many_queues_from_floors(self) -> sql.Composed:
+    def job_claim_many_queues_from_floors(self) -> Statement:
         return self._job_claim_from_floors(one_queue=False)
 
     @cached_property
-    def lanes_discover(self) -> sql.Composed:
+    def lanes_discover(self) -> Statement:
         # A worker that knows no floors for %(queues)s (it started, or its LISTEN connection
         # was down and notifications may be lost): each queue's lanes, by a walk of
         # jobs_dequeue_idx from each priority's start, and each lane's first queued row. Only
@@ -338,7 +336,7 @@ class WorkerStatements(Role):
                 f" {{s}}.paused_queues pq WHERE pq.queue = {alias}.queue)")
 
     def _job_claim_limited_alone(self, next_due: str,
-                                 queue_of: Callable[[str], str]) -> sql.Composed:
+                                 queue_of: Callable[[str], str]) -> Statement:
         return self._compose(
             "WITH " + self._job_claim_limited(
                 next_due, "'{{}}'::bigint[] AS ids, '{{}}'::int[] AS attempts,"
@@ -346,12 +344,12 @@ class WorkerStatements(Role):
             + " SELECT {c} FROM claimed UNION ALL " + self._held_marker(queue_of))
 
     @cached_property
-    def job_claim_one_queue_limited(self) -> sql.Composed:
+    def job_claim_one_queue_limited(self) -> Statement:
         return self._job_claim_limited_alone(self._next_due_one_queue(limited=True),
                                              self._in_one_queue)
 
     @cached_property
-    def job_claim_many_queues_limited(self) -> sql.Composed:
+    def job_claim_many_queues_limited(self) -> Statement:
         return self._job_claim_limited_alone(self._next_due_many_queues(limited=True),
                                              self._in_many_queues)
 
@@ -415,13 +413,13 @@ class WorkerStatements(Role):
     _REQUEUED_NONE = " UNION ALL SELECT {nulls} FROM requeued WHERE n < 0"
 
     @cached_property
-    def job_set_outcome_if_running_many(self) -> sql.Composed:
+    def job_set_outcome_if_running_many(self) -> Statement:
         return self._compose(
             "WITH " + self._OUTCOME_CTES
             + " SELECT id FROM archived UNION ALL SELECT id FROM updated"
             + self._REQUEUED_NONE.format(nulls="NULL::bigint"))
 
-    def _job_set_outcome_then_claim(self, next_due: str) -> sql.Composed:
+    def _job_set_outcome_then_claim(self, next_due: str) -> Statement:
         # The flush and the next claim in one statement, one round trip and one commit: the
         # article's loop pays two of each per batch. The claim's snapshot predates the
         # outcomes, so a job retried here is claimable from the next statement on. Rows come
@@ -436,7 +434,7 @@ class WorkerStatements(Role):
             f" UNION ALL SELECT false, id{nulls} FROM updated"
             + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
 
-    def _job_set_outcome_then_claim_from_floors(self, one_queue: bool) -> sql.Composed:
+    def _job_set_outcome_then_claim_from_floors(self, one_queue: bool) -> Statement:
         # As above, the claim from floors; its floors marker row comes with NULL first.
         nulls = ", NULL" * CLAIM_COLUMNS.count(",")
         return self._compose(
@@ -450,24 +448,24 @@ class WorkerStatements(Role):
             + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
 
     @cached_property
-    def job_set_outcome_if_running_many_then_claim_one_queue_from_floors(self) -> sql.Composed:
+    def job_set_outcome_if_running_many_then_claim_one_queue_from_floors(self) -> Statement:
         return self._job_set_outcome_then_claim_from_floors(one_queue=True)
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_many_queues_from_floors(
-            self) -> sql.Composed:
+            self) -> Statement:
         return self._job_set_outcome_then_claim_from_floors(one_queue=False)
 
     @cached_property
-    def job_set_outcome_if_running_many_then_claim_one_queue(self) -> sql.Composed:
+    def job_set_outcome_if_running_many_then_claim_one_queue(self) -> Statement:
         return self._job_set_outcome_then_claim(self._next_due_one_queue())
 
     @cached_property
-    def job_set_outcome_if_running_many_then_claim_many_queues(self) -> sql.Composed:
+    def job_set_outcome_if_running_many_then_claim_many_queues(self) -> Statement:
         return self._job_set_outcome_then_claim(self._next_due_many_queues())
 
     def _job_set_outcome_then_claim_limited(self, next_due: str,
-                                            queue_of: Callable[[str], str]) -> sql.Composed:
+                                            queue_of: Callable[[str], str]) -> Statement:
         # The rows this statement finishes free their slots for its own claim: a key's next
         # job starts in the flush that completes the one before it.
         nulls = ", NULL" * CLAIM_COLUMNS.count(",")
@@ -485,17 +483,17 @@ class WorkerStatements(Role):
             + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
 
     @cached_property
-    def job_set_outcome_if_running_many_then_claim_one_queue_limited(self) -> sql.Composed:
+    def job_set_outcome_if_running_many_then_claim_one_queue_limited(self) -> Statement:
         return self._job_set_outcome_then_claim_limited(
             self._next_due_one_queue(limited=True), self._in_one_queue)
 
     @cached_property
-    def job_set_outcome_if_running_many_then_claim_many_queues_limited(self) -> sql.Composed:
+    def job_set_outcome_if_running_many_then_claim_many_queues_limited(self) -> Statement:
         return self._job_set_outcome_then_claim_limited(
             self._next_due_many_queues(limited=True), self._in_many_queues)
 
     @property
-    def job_heartbeat_many(self) -> sql.Composed:
+    def job_heartbeat_many(self) -> Statement:
         # Fenced on (id, attempts), as completions are: a job reaped and claimed again, even
         # by this same worker, no longer extends the lease of the attempt that was reaped.
         # Returns the (id, attempt) pairs still held; a missing pair's lease was lost. Rows are
@@ -518,7 +516,7 @@ class WorkerStatements(Role):
         return sql.SQL("SELECT set_config('statement_timeout', %s, false)")
 
     @property
-    def job_release_lost_claims(self) -> sql.Composed:
+    def job_release_lost_claims(self) -> Statement:
         # Rows this worker claimed but never received (the claim committed, its reply was lost
         # with the connection): back to queued with the attempt uncounted, since no handler
         # ran. Rows it does hold (running, or outcome not yet written) are named in the
@@ -555,7 +553,7 @@ class WorkerStatements(Role):
         )
 
     @property
-    def job_move_to_task_queue(self) -> sql.Composed:
+    def job_move_to_task_queue(self) -> Statement:
         # A job of a limited task claimed by a worker that does not apply the task's limits
         # (it serves the queue the job was written into, not the task's; misplaced.py): back
         # to queued in the task's own queue, run_at kept, the attempt uncounted since no
@@ -574,7 +572,7 @@ class WorkerStatements(Role):
         )
 
     @staticmethod
-    def _worker_plan_settings(is_local: bool) -> sql.Composed:
+    def _worker_plan_settings(is_local: bool) -> Statement:
         # A generic plan is kept until the table's statistics change. Made while ANALYZE
         # knew only a few rows, it looked claimed ids up by a sequential scan of the whole
         # table (cheapest for one page), then kept doing so once a backlog arrived, until
@@ -591,7 +589,7 @@ class WorkerStatements(Role):
         ).format(local=sql.Literal(is_local))
 
     @property
-    def session_worker_plans(self) -> sql.Composed:
+    def session_worker_plans(self) -> Statement:
         return self._worker_plan_settings(is_local=False)
 
     # doctor: the claim plan workers run. Their connections plan generically
@@ -602,11 +600,11 @@ class WorkerStatements(Role):
     DOCTOR_CLAIM = "asyncjobq_doctor_claim"
 
     @property
-    def doctor_worker_plans_local(self) -> sql.Composed:
+    def doctor_worker_plans_local(self) -> Statement:
         return self._worker_plan_settings(is_local=True)
 
     @property
-    def job_claim_one_queue_prepare(self) -> sql.Composed:
+    def job_claim_one_queue_prepare(self) -> Statement:
         # The placeholders are this module's own, swapped in the template before composing.
         template = self._job_claim_update(self._next_due_one_queue())
         for placeholder, position in (("%(worker)s", "$1"), ("%(queue)s", "$2"),
@@ -615,17 +613,17 @@ class WorkerStatements(Role):
         return sql.SQL("PREPARE {} (text, text, bigint) AS ").format(
             sql.Identifier(self.DOCTOR_CLAIM)) + self._compose(template)
 
-    def job_claim_one_queue_explain(self, worker: str, queue: str, limit: int) -> sql.Composed:
+    def job_claim_one_queue_explain(self, worker: str, queue: str, limit: int) -> Statement:
         # Measured for real (ANALYZE); the caller runs it in a rolled-back transaction.
         return sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}({}, {}, {})").format(
             sql.Identifier(self.DOCTOR_CLAIM), sql.Literal(worker), sql.Literal(queue),
             sql.Literal(limit))
 
     @property
-    def doctor_claim_prepared(self) -> sql.Composed:
+    def doctor_claim_prepared(self) -> Statement:
         return sql.SQL("SELECT 1 FROM pg_prepared_statements WHERE name = {}").format(
             sql.Literal(self.DOCTOR_CLAIM))
 
     @property
-    def job_claim_one_queue_deallocate(self) -> sql.Composed:
+    def job_claim_one_queue_deallocate(self) -> Statement:
         return sql.SQL("DEALLOCATE {}").format(sql.Identifier(self.DOCTOR_CLAIM))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from psycopg import sql
@@ -33,20 +34,14 @@ def history_row(status: str) -> str:
 
 
 def notify_lanes(rows: str) -> str:
-    """A scalar subquery that notifies %(channel)s once per queue of `rows` (any relation with
-    queue, priority and run_at: rows this statement made queued) and counts the notifications.
-    Each carries the queue's earliest run_at (when to wake) and, per priority, the earliest
-    run_at among them: a worker lowers its floors there (_worker/floors.py). Every statement
-    that makes rows queued, but an INSERT (jobs_notify does that one), must include it."""
-    return (
-        "(SELECT count(*) FROM (SELECT pg_notify(%(channel)s, json_build_object("
-        "'queue', l.queue, 'run_at', extract(epoch FROM min(l.at)),"
-        # Past 100 lanes the payload would near PostgreSQL's 8,000 bytes: none, and the
-        # workers walk the queue's lanes again.
-        " 'lanes', CASE WHEN count(*) <= 100 THEN"
-        " json_agg(json_build_array(l.priority, extract(epoch FROM l.at))) END)::text)"
-        f" FROM (SELECT queue, priority, min(run_at) AS at FROM {rows}"
-        " GROUP BY queue, priority) l GROUP BY l.queue) n)")
+    """A scalar subquery that notifies %(channel)s of the rows of `rows` (any relation with
+    queue, priority and run_at: rows this statement made queued), through the schema's
+    notify_lanes() (0009_notify_lanes.sql): one notification per queue, naming each lane's
+    earliest run_at, so that a worker lowers its floors there (_worker/floors.py). Every
+    statement that makes rows queued, but an INSERT (jobs_notify does that one), includes it;
+    it returns the notifications sent (NULL for no row)."""
+    return ("(SELECT {s}.notify_lanes(%(channel)s, array_agg(queue), array_agg(priority),"
+            f" array_agg(run_at)) FROM {rows})")
 
 
 @dataclass(frozen=True)
@@ -60,12 +55,30 @@ class IndexDefinition:
     definition: str
 
 
-def _q(template: str, schema: str) -> sql.Composed:
+# What a statement property returns: what psycopg's execute() takes.
+Statement = sql.SQL | sql.Composed
+
+# A quoted literal or identifier: its spaces are its own.
+_QUOTED = re.compile(r"""('(?:[^']|'')*'|"(?:[^"]|"")*")""")
+
+
+def rendered(statement: sql.Composable) -> sql.SQL:
+    """The statement as one piece of SQL text, rendered once, with runs of whitespace outside
+    quotes made one space. A Composed is rendered again at every execute (the schema's
+    identifier escaped each time), and psycopg converts a statement's placeholders once per
+    text only up to 4,096 bytes (psycopg/_queries.py, MAX_CACHED_STATEMENT_LENGTH): the worker's
+    longest statements were parsed anew on every claim."""
+    parts = _QUOTED.split(statement.as_string(None))
+    return sql.SQL("".join(p if i % 2 else re.sub(r"\s+", " ", p)
+                           for i, p in enumerate(parts)).strip())
+
+
+def _q(template: str, schema: str) -> sql.SQL:
     """Fill `{s}` with the schema identifier; everything else in the template is literal SQL."""
-    return sql.SQL(template).format(s=sql.Identifier(schema))
+    return rendered(sql.SQL(template).format(s=sql.Identifier(schema)))
 
 
-def _advisory_xact_lock(key: str, *, wait: bool) -> sql.Composed:
+def _advisory_xact_lock(key: str, *, wait: bool) -> Statement:
     # Transaction-scoped, so a crashed holder can never leave it taken.
     fn = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
     return sql.SQL("SELECT {}(hashtext({}))").format(sql.SQL(fn), sql.Literal(key))
@@ -76,6 +89,6 @@ class Role:
 
     schema: str
 
-    def _compose(self, template: str) -> sql.Composed:
-        return sql.SQL(template).format(s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS),
-                                        h=sql.SQL(HISTORY_COLUMNS))
+    def _compose(self, template: str) -> sql.SQL:
+        return rendered(sql.SQL(template).format(
+            s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS), h=sql.SQL(HISTORY_COLUMNS)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from .common import IndexDefinition, Role, _q
+from .common import IndexDefinition, Role, Statement, _q
 
 
 class DoctorStatements(Role):
@@ -30,7 +30,7 @@ class DoctorStatements(Role):
         return sql.SQL("SELECT now()")
 
     @property
-    def doctor_table_stats(self) -> sql.Composed:
+    def doctor_table_stats(self) -> Statement:
         # Tuple counts come from the statistics collector: estimates, flushed about once a second.
         return sql.SQL(
             "SELECT c.relname, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),"
@@ -45,7 +45,7 @@ class DoctorStatements(Role):
         ).format(schema=sql.Literal(self.schema))
 
     @property
-    def doctor_index_stats(self) -> sql.Composed:
+    def doctor_index_stats(self) -> Statement:
         return sql.SQL(
             "SELECT t.relname, i.relname, ix.indisvalid, pg_relation_size(i.oid),"
             "  coalesce(s.idx_scan, 0)"
@@ -58,7 +58,7 @@ class DoctorStatements(Role):
         ).format(schema=sql.Literal(self.schema))
 
     @property
-    def job_count_stale_running(self) -> sql.Composed:
+    def job_count_stale_running(self) -> Statement:
         return _q(
             "SELECT count(*), extract(epoch FROM now() - min(locked_at)) FROM {s}.jobs"
             " WHERE status = 'running' AND locked_at < now() - make_interval(secs => %(lease)s)",
@@ -66,7 +66,7 @@ class DoctorStatements(Role):
         )
 
     @property
-    def doctor_history_counts_drift(self) -> sql.Composed:
+    def doctor_history_counts_drift(self) -> Statement:
         # history_counts (0003_history_counts.sql) against a count of every history row:
         # they part only if rows were written with the triggers disabled, or a data-only
         # restore loaded both the rows and their counts. Reads all of history, as only doctor
@@ -113,13 +113,13 @@ class DoctorStatements(Role):
         )
 
     @property
-    def queue_list_queued(self) -> sql.Composed:
+    def queue_list_queued(self) -> Statement:
         return _q("SELECT DISTINCT queue FROM {s}.jobs WHERE status = 'queued' ORDER BY 1",
                   self.schema)
 
     # --- the fixes it advises (shown to the user, never run by asyncjobq) --------------------
 
-    def index_create_concurrently(self, index: IndexDefinition) -> sql.Composed:
+    def index_create_concurrently(self, index: IndexDefinition) -> Statement:
         # CONCURRENTLY: a plain CREATE INDEX holds a SHARE lock on the table for the whole
         # build, stopping every claim, completion and heartbeat (past the lease, the reaper
         # then requeues healthy running jobs). One statement, schema-qualified, since
@@ -130,16 +130,16 @@ class DoctorStatements(Role):
                                 table=sql.Identifier(index.table),
                                 definition=sql.SQL(index.definition))
 
-    def index_drop_concurrently(self, index: str) -> sql.Composed:
+    def index_drop_concurrently(self, index: str) -> Statement:
         return sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {s}.{name}").format(
             s=sql.Identifier(self.schema), name=sql.Identifier(index))
 
-    def index_reindex_concurrently(self, index: str) -> sql.Composed:
+    def index_reindex_concurrently(self, index: str) -> Statement:
         return sql.SQL("REINDEX INDEX CONCURRENTLY {s}.{name}").format(
             s=sql.Identifier(self.schema), name=sql.Identifier(index))
 
     @property
-    def history_counts_recount(self) -> sql.Composed:
+    def history_counts_recount(self) -> Statement:
         # The doctor's advice for a drift (shown, never run by asyncjobq): the lock holds
         # history's writers back until the new counts commit, as the migration's backfill.
         return _q(

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from psycopg import sql
-
-from .common import Role, _q
+from .common import Role, Statement, _q
 
 
 class EnqueueStatements(Role):
@@ -16,20 +14,20 @@ class EnqueueStatements(Role):
     # a schema not yet upgraded to version 5).
 
     @property
-    def job_insert(self) -> sql.Composed:
+    def job_insert(self) -> Statement:
         return self._job_insert(traced=False)
 
     @property
-    def job_insert_traced(self) -> sql.Composed:
+    def job_insert_traced(self) -> Statement:
         return self._job_insert(traced=True)
 
     @property
-    def job_insert_keyed(self) -> sql.Composed:
+    def job_insert_keyed(self) -> Statement:
         # enqueue(key=...): the key column exists from schema version 7 on, so only keyed jobs
         # name it (and, to keep the twins few, the trace context too, NULL when untraced).
         return self._job_insert(traced=True, keyed=True)
 
-    def _job_insert(self, *, traced: bool, keyed: bool = False) -> sql.Composed:
+    def _job_insert(self, *, traced: bool, keyed: bool = False) -> Statement:
         # A live duplicate dedup_key returns the existing job's id (and false: not a new job,
         # for on_enqueued). DO NOTHING (not a no-op DO UPDATE) keeps producers free of UPDATE
         # privilege; when the duplicate was committed after this statement's snapshot, no id
@@ -56,14 +54,14 @@ class EnqueueStatements(Role):
         )
 
     @cached_property
-    def job_insert_rows(self) -> sql.Composed:
+    def job_insert_rows(self) -> Statement:
         return self._job_insert_rows(traced=False)
 
     @cached_property
-    def job_insert_rows_traced(self) -> sql.Composed:
+    def job_insert_rows_traced(self) -> Statement:
         return self._job_insert_rows(traced=True)
 
-    def _job_insert_rows(self, *, traced: bool) -> sql.Composed:
+    def _job_insert_rows(self, *, traced: bool) -> Statement:
         # Jobs of coalesced enqueue() calls (see inserter), each its own task, queue and
         # schedule: one JSON array of [task, payload, queue, priority, run_at, delay,
         # max_attempts(, trace context)] rows; ids come back in row order. An untraced row in
@@ -80,15 +78,15 @@ class EnqueueStatements(Role):
         )
 
     @property
-    def job_insert_many(self) -> sql.Composed:
+    def job_insert_many(self) -> Statement:
         return self._job_insert_many(traced=False)
 
     @property
-    def job_insert_many_traced(self) -> sql.Composed:
+    def job_insert_many_traced(self) -> Statement:
         return self._job_insert_many(traced=True)
 
     @property
-    def job_insert_many_keyed(self) -> sql.Composed:
+    def job_insert_many_keyed(self) -> Statement:
         # enqueue_many(keys=[...]): the keys, a JSON array beside the payloads' (null: no
         # key), zipped by ROWS FROM. The trace context is NULL when untraced.
         return _q(
@@ -103,7 +101,7 @@ class EnqueueStatements(Role):
             self.schema,
         )
 
-    def _job_insert_many(self, *, traced: bool) -> sql.Composed:
+    def _job_insert_many(self, *, traced: bool) -> Statement:
         # One statement for any number of payloads, sent as one JSON array: parsing one
         # document server-side costs far less than a jsonb[] of many (measured ~2x). The
         # traced twin takes the batch's one trace context before the array.

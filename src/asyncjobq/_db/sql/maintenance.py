@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from .common import Role, _advisory_xact_lock, _q, notify_lanes
+from .common import Role, Statement, _advisory_xact_lock, _q, notify_lanes
 
 
 class MaintenanceStatements(Role):
 
     @property
-    def reaper_try_lock(self) -> sql.Composed:
+    def reaper_try_lock(self) -> Statement:
         return _advisory_xact_lock(f"asyncjobq.reaper.{self.schema}", wait=False)
 
     @property
-    def job_reap_stuck(self) -> sql.Composed:
+    def job_reap_stuck(self) -> Statement:
         # Running rows whose holder stopped heartbeating for longer than the lease: requeue,
         # or fail once the attempts are spent (a job that keeps killing workers is a poison pill).
         # Requeued rows wake their queues' workers with their lanes (notify_lanes).
@@ -43,7 +43,7 @@ class MaintenanceStatements(Role):
     # --- maintenance: leadership ------------------------------------------------------------
 
     @property
-    def leader_elect(self) -> sql.Composed:
+    def leader_elect(self) -> Statement:
         # Take the row when it is free or expired, renew it when it is ours; either way the
         # current leader comes back, with `held`: true only when this statement wrote the row.
         # The fallback SELECT reads the statement's snapshot, which may predate another
@@ -67,11 +67,11 @@ class MaintenanceStatements(Role):
         )
 
     @property
-    def leader_resign(self) -> sql.Composed:
+    def leader_resign(self) -> Statement:
         return _q("DELETE FROM {s}.leader WHERE worker = %(worker)s", self.schema)
 
     @property
-    def leader_get(self) -> sql.Composed:
+    def leader_get(self) -> Statement:
         return _q(
             "SELECT worker, elected_at, expires_at FROM {s}.leader"
             " WHERE name = 'default' AND expires_at > now()",
@@ -81,15 +81,15 @@ class MaintenanceStatements(Role):
     # --- maintenance: pruning ----------------------------------------------------------------
 
     @property
-    def pruner_try_lock(self) -> sql.Composed:
+    def pruner_try_lock(self) -> Statement:
         return _advisory_xact_lock(f"asyncjobq.prune.{self.schema}", wait=False)
 
     @property
-    def pruner_lock(self) -> sql.Composed:
+    def pruner_lock(self) -> Statement:
         return _advisory_xact_lock(f"asyncjobq.prune.{self.schema}", wait=True)
 
     @property
-    def job_history_delete_expired(self) -> sql.Composed:
+    def job_history_delete_expired(self) -> Statement:
         # One bounded batch. Per-queue ages come as parallel arrays; queues not listed use
         # %(default_age)s; a NULL age keeps that queue's history forever. The first finished_at
         # bound (the smallest age of all) lets the BRIN index skip the recent part of history.
@@ -110,7 +110,7 @@ class MaintenanceStatements(Role):
         )
 
     @property
-    def history_counts_fold(self) -> sql.Composed:
+    def history_counts_fold(self) -> Statement:
         # The writers' shards (1..64) summed into shard 0, in one statement so that stats()
         # sees either the shards or their sum, never neither. Rows are locked in key order
         # first, the order in which the history triggers lock them: a writer and the fold
@@ -131,12 +131,12 @@ class MaintenanceStatements(Role):
         )
 
     @property
-    def history_counts_delete_empty(self) -> sql.Composed:
+    def history_counts_delete_empty(self) -> Statement:
         # Queues whose history is all pruned would otherwise keep a zero row for good.
         return _q("DELETE FROM {s}.history_counts WHERE shard = 0 AND n = 0", self.schema)
 
     @property
-    def job_failed_delete_older(self) -> sql.Composed:
+    def job_failed_delete_older(self) -> Statement:
         # Dead-lettered jobs are only deleted on purpose (`prune --failed`), in bounded batches.
         return _q(
             "WITH doomed AS ("
@@ -153,20 +153,20 @@ class MaintenanceStatements(Role):
     # --- maintenance: vacuum of the hot table ---------------------------------------------------
 
     @property
-    def _hot_vacuum_key(self) -> sql.Composed:
+    def _hot_vacuum_key(self) -> Statement:
         return sql.SQL("hashtext({})").format(sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
 
     @property
-    def hot_vacuum_try_lock(self) -> sql.Composed:
+    def hot_vacuum_try_lock(self) -> Statement:
         # Session-scoped (VACUUM cannot run in a transaction); released by hot_vacuum_unlock.
         return sql.SQL("SELECT pg_try_advisory_lock({})").format(self._hot_vacuum_key)
 
     @property
-    def hot_vacuum_unlock(self) -> sql.Composed:
+    def hot_vacuum_unlock(self) -> Statement:
         return sql.SQL("SELECT pg_advisory_unlock({})").format(self._hot_vacuum_key)
 
     @property
-    def hot_vacuum_end_abandoned(self) -> sql.Composed:
+    def hot_vacuum_end_abandoned(self) -> Statement:
         # The session of a VACUUM whose connection the client closed mid-statement: the server
         # notices only once the VACUUM is over, and keeps the lock until then. Only a session
         # that still holds the lock is ended, so a pid reused meanwhile is never hit. A bigint
@@ -181,7 +181,7 @@ class MaintenanceStatements(Role):
         ).format(key=self._hot_vacuum_key)
 
     @property
-    def job_table_dead_tuples(self) -> sql.Composed:
+    def job_table_dead_tuples(self) -> Statement:
         # Only the owner (or a superuser) may vacuum: say so rather than try and be refused.
         return sql.SQL(
             "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),"
@@ -192,7 +192,7 @@ class MaintenanceStatements(Role):
         ).format(sql.Literal(f'"{self.schema}".jobs'))
 
     @property
-    def job_table_vacuum(self) -> sql.Composed:
+    def job_table_vacuum(self) -> Statement:
         # SKIP_LOCKED: if autovacuum (or another worker) is at it, skip rather than queue.
         # INDEX_CLEANUP ON: PostgreSQL skips the indexes when few heap pages have dead rows,
         # but the claim index's dead entries are exactly what this vacuum is for.
@@ -201,7 +201,7 @@ class MaintenanceStatements(Role):
     # --- maintenance: periodic scheduler ------------------------------------------------------
 
     @property
-    def periodic_last_ticks(self) -> sql.Composed:
+    def periodic_last_ticks(self) -> Statement:
         # The latest recorded tick of each schedule (one backward index probe per name) and
         # the server's clock, which every leader judges due ticks by.
         return _q(
@@ -213,7 +213,7 @@ class MaintenanceStatements(Role):
         )
 
     @property
-    def periodic_ticks_enqueue(self) -> sql.Composed:
+    def periodic_ticks_enqueue(self) -> Statement:
         # Every due tick of every schedule in one statement: a tick's row and its job are
         # written together or not at all. A tick is written only when it is later than its
         # schedule's latest row (so a leader working from a stale read writes nothing) and
@@ -256,7 +256,7 @@ class MaintenanceStatements(Role):
         )
 
     @property
-    def periodic_ticks_forget_future(self) -> sql.Composed:
+    def periodic_ticks_forget_future(self) -> Statement:
         # The server's clock was set back (scheduler.py): rows past it would hold their
         # schedules until the clock caught up.
         return _q(
@@ -266,7 +266,7 @@ class MaintenanceStatements(Role):
         )
 
     @property
-    def periodic_ticks_prune(self) -> sql.Composed:
+    def periodic_ticks_prune(self) -> Statement:
         # Each schedule's latest row is where its next tick is computed from: it stays.
         return _q(
             "DELETE FROM {s}.periodic_ticks t"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from .common import INFO_COLUMNS, Role, _q
+from .common import INFO_COLUMNS, Role, Statement, _q
 
 
 class TestingStatements(Role):
@@ -21,13 +21,13 @@ class TestingStatements(Role):
         return sql.SQL("SET lock_timeout = '5s'")
 
     @property
-    def schema_drop(self) -> sql.Composed:
+    def schema_drop(self) -> Statement:
         return _q("DROP SCHEMA IF EXISTS {s} CASCADE", self.schema)
 
     # --- enqueued, drain ---------------------------------------------------------------------
 
     @property
-    def job_list_queued(self) -> sql.Composed:
+    def job_list_queued(self) -> Statement:
         # Due or not, of %(task)s and %(queue)s when not NULL, oldest first.
         return _q(
             "SELECT " + INFO_COLUMNS + " FROM {s}.jobs WHERE status = 'queued'"
@@ -37,7 +37,7 @@ class TestingStatements(Role):
         )
 
     @property
-    def job_claim_one_for_drain(self) -> sql.Composed:
+    def job_claim_one_for_drain(self) -> Statement:
         # One job at a time, in the worker's claim order, of %(queues)s (NULL: all), not in a
         # paused queue. Due by the server's clock: %(until)s (a time) and %(ahead)s (seconds
         # from now) only ever add to now(), never hold a due job back.
