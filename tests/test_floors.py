@@ -259,3 +259,15 @@ async def test_jobs_due_at_infinity_or_in_a_far_century_stop_no_claim(
         await queue.enqueue_many("t", [{}] * 5)
         await wait_for(lambda: len(done) == 10, 10, what="the next jobs run")
         assert w.fetcher.floors.ready()
+
+
+def test_a_floor_at_minus_infinity_keeps_its_id_and_goes_out_as_null() -> None:
+    f = Floors(["a"])
+    _known(f, ("a", 0, 5, 1))
+    token, _ = f.begin()
+    f.settle(token, [["a", 0, "-infinity", 42], ["a", 0, "0044-03-15T00:00:00+00:00 BC", 7]])
+    _, params = f.begin()
+    assert json.loads(str(params["lanes"])) == [["a", 0, None, 7]]
+    token, _ = f.begin()
+    f.settle(token, [["a", 0, "infinity", 9]])
+    assert _floor(f, "a", 0)[0] == TOP[0]

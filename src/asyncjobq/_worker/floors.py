@@ -93,7 +93,7 @@ class Floors:
         return token, {
             "peek": token % PEEK_EVERY == 0,
             # A floor at the bottom goes as null, which the claim reads as -infinity.
-            "lanes": json.dumps([[q, p, None if f <= BOTTOM else f[0].isoformat(), f[1]]
+            "lanes": json.dumps([[q, p, None if f[0] <= BOTTOM[0] else f[0].isoformat(), f[1]]
                                  for q, p, f in lanes], separators=(",", ":")),
         }
 
@@ -199,13 +199,15 @@ def _floor_under(epoch: float) -> Floor:
 
 
 def _timestamp(value: Any) -> datetime:
-    # From jsonb (the claims' marker row) an ISO string, or "infinity", "-infinity", or a year
-    # past 9999, which no datetime holds: only a row due after 9999 is above TOP.
+    # From jsonb (the claims' marker row) an ISO string, or what no datetime holds: "-infinity"
+    # or a year BC (the bottom, sent back as -infinity), "infinity" or a year past 9999 (the
+    # top: only a row due after 9999 is above it).
     if isinstance(value, datetime):
         return value
-    if value == "-infinity":
+    text = str(value)
+    if text == "-infinity" or text.endswith(" BC"):
         return BOTTOM[0]
     try:
-        return datetime.fromisoformat(str(value))
-    except ValueError:
+        return datetime.fromisoformat(text)
+    except ValueError:  # "infinity", a year past 9999
         return TOP[0]

@@ -3,6 +3,8 @@ resume). Doctor's checks are doctor.py's."""
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from psycopg import sql
 
 from .common import (
@@ -20,19 +22,19 @@ from .common import (
 class AdminStatements(Role):
     # --- install / migrations -------------------------------------------------------------
 
-    @property
+    @cached_property
     def install_lock(self) -> Statement:
         return _advisory_xact_lock(f"asyncjobq.install.{self.schema}", wait=True)
 
-    @property
+    @cached_property
     def schema_create(self) -> Statement:
         return _q("CREATE SCHEMA IF NOT EXISTS {s}", self.schema)
 
-    @property
+    @cached_property
     def search_path_set_local(self) -> Statement:
         return _q("SET LOCAL search_path TO {s}", self.schema)
 
-    @property
+    @cached_property
     def migrations_table_create(self) -> Statement:
         return _q(
             "CREATE TABLE IF NOT EXISTS {s}.migrations ("
@@ -41,15 +43,15 @@ class AdminStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def migration_versions(self) -> Statement:
         return _q("SELECT version FROM {s}.migrations ORDER BY version", self.schema)
 
-    @property
+    @cached_property
     def migration_record(self) -> Statement:
         return _q("INSERT INTO {s}.migrations (version, name) VALUES (%s, %s)", self.schema)
 
-    @property
+    @cached_property
     def migrations_table_exists(self) -> Statement:
         return sql.SQL("SELECT to_regclass({}) IS NOT NULL").format(
             sql.Literal(f'"{self.schema}".migrations')
@@ -57,14 +59,14 @@ class AdminStatements(Role):
 
     # --- read / admin ----------------------------------------------------------------------
 
-    @property
+    @cached_property
     def job_get_by_id(self) -> Statement:
         return sql.SQL(
             "SELECT {c} FROM {s}.jobs WHERE id = %(id)s"
             " UNION ALL SELECT {c} FROM {s}.jobs_history WHERE id = %(id)s LIMIT 1"
         ).format(c=sql.SQL(INFO_COLUMNS), s=sql.Identifier(self.schema))
 
-    @property
+    @cached_property
     def job_count_by_queue_status(self) -> Statement:
         # History is not counted here but read from the counts its triggers keep
         # (0003_history_counts.sql): a few rows per queue, whatever the history's size. The
@@ -77,7 +79,7 @@ class AdminStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def queue_health(self) -> Statement:
         # For `status`: oldest due queued job, stale running rows, completions in the last minute.
         # History is read once, for the last minute only: the BRIN index on finished_at limits
@@ -100,7 +102,7 @@ class AdminStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def job_retry_failed(self) -> Statement:
         return self.job_retry_failed_at_most(capped=False)
 
@@ -138,7 +140,7 @@ class AdminStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def periodic_schedule_ticks(self) -> Statement:
         # For `schedules`: per name, the latest tick that got a job, the latest row of any
         # kind (where the scheduler goes on from) and the server's clock.
@@ -152,7 +154,7 @@ class AdminStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def periodic_ticks_latest(self) -> Statement:
         # For `status`: every schedule the database knows of (the app is not loaded there).
         return _q(
@@ -161,7 +163,7 @@ class AdminStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def job_cancel(self) -> Statement:
         return sql.SQL(
             "WITH cancelled AS ("
@@ -173,7 +175,7 @@ class AdminStatements(Role):
 
     # --- limits (0007_flow_control.sql) ----------------------------------------------------
 
-    @property
+    @cached_property
     def flow_usage(self) -> Statement:
         # Per limited task: its running jobs, the keys they hold, its starts in the last period.
         return _q(
@@ -191,7 +193,7 @@ class AdminStatements(Role):
 
     # --- pause / resume (0006_paused_queues.sql) --------------------------------------------
 
-    @property
+    @cached_property
     def queue_pause(self) -> Statement:
         # Returns the row whether it was paused now or already: pausing twice is not an error.
         return _q(
@@ -203,7 +205,7 @@ class AdminStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def queue_resume(self) -> Statement:
         # Wakes the queue's workers, as an enqueue does: they claim at once, not at their poll.
         return _q(
@@ -221,13 +223,13 @@ class AdminStatements(Role):
     # its locks are taken before its snapshot. The transactions holding one right after a
     # pause committed are the claims that may not have seen it (Queue.pause waits them out).
     # pg_locks, not pg_stat_activity: any role may read it, whatever the application name.
-    @property
+    @cached_property
     def paused_queues_lockers(self) -> Statement:
         return self._on_paused_queues(
             "SELECT coalesce(array_agg(DISTINCT virtualtransaction), '{{}}') FROM pg_locks"
             " WHERE relation = {t} AND pid <> pg_backend_pid()")
 
-    @property
+    @cached_property
     def paused_queues_lockers_left(self) -> Statement:
         return self._on_paused_queues(
             "SELECT count(*) FROM pg_locks WHERE relation = {t}"
@@ -237,6 +239,6 @@ class AdminStatements(Role):
         table = sql.Identifier(self.schema, "paused_queues").as_string(None)
         return sql.SQL(template).format(t=sql.SQL("{}::regclass").format(sql.Literal(table)))
 
-    @property
+    @cached_property
     def queue_paused_list(self) -> Statement:
         return _q("SELECT queue, paused_at FROM {s}.paused_queues ORDER BY queue", self.schema)

@@ -10,6 +10,7 @@ pick the index that the filter needs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 
 from psycopg import sql
 
@@ -100,7 +101,7 @@ class BrowseStatements(Role):
         ).format(s=sql.Identifier(self.schema), hot=hot,
                  pairs=_and((queue, "queue = %(queue)s")))
 
-    @property
+    @cached_property
     def job_detail_by_id(self) -> Statement:
         return sql.SQL(
             "SELECT {hot} FROM {s}.jobs WHERE id = %(id)s"
@@ -109,7 +110,7 @@ class BrowseStatements(Role):
                  old=sql.SQL(DETAIL_COLUMNS.format(locked_at="NULL::timestamptz")),
                  s=sql.Identifier(self.schema))
 
-    @property
+    @cached_property
     def job_retry_one(self) -> Statement:
         # As job_retry_failed for one job: not while a live job holds its dedup_key (that
         # would break jobs_dedup_idx); a live job committed after the snapshot raises
@@ -147,7 +148,7 @@ class BrowseStatements(Role):
                      f=_and((queue, "queue = %(queue)s"), (task, "task = %(task)s"),
                             (max_id, "id <= %(max_id)s"))))
 
-    @property
+    @cached_property
     def throughput_per_minute(self) -> Statement:
         # Done and cancelled from history through its BRIN index on finished_at (the ranges of
         # the last `minutes`); failed ones from the live table through jobs_failed_browse_idx.
@@ -163,7 +164,7 @@ class BrowseStatements(Role):
             " GROUP BY 1, 2"
             " ORDER BY 1")
 
-    @property
+    @cached_property
     def workers_seen(self) -> Statement:
         # No table of workers: a worker shows by the jobs it holds (locked_at, renewed by its
         # heartbeat) and the ones it finished lately (BRIN on finished_at). An idle one is not

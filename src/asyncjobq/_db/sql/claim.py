@@ -492,7 +492,7 @@ class WorkerStatements(Role):
         return self._job_set_outcome_then_claim_limited(
             self._next_due_many_queues(limited=True), self._in_many_queues)
 
-    @property
+    @cached_property
     def job_heartbeat_many(self) -> Statement:
         # Fenced on (id, attempts), as completions are: a job reaped and claimed again, even
         # by this same worker, no longer extends the lease of the attempt that was reaped.
@@ -511,11 +511,11 @@ class WorkerStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def session_statement_timeout(self) -> sql.SQL:
         return sql.SQL("SELECT set_config('statement_timeout', %s, false)")
 
-    @property
+    @cached_property
     def job_release_lost_claims(self) -> Statement:
         # Rows this worker claimed but never received (the claim committed, its reply was lost
         # with the connection): back to queued with the attempt uncounted, since no handler
@@ -552,7 +552,7 @@ class WorkerStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def job_move_to_task_queue(self) -> Statement:
         # A job of a limited task claimed by a worker that does not apply the task's limits
         # (it serves the queue the job was written into, not the task's; misplaced.py): back
@@ -588,7 +588,7 @@ class WorkerStatements(Role):
             " THEN set_config('plan_cache_mode', 'force_generic_plan', {local}) END"
         ).format(local=sql.Literal(is_local))
 
-    @property
+    @cached_property
     def session_worker_plans(self) -> Statement:
         return self._worker_plan_settings(is_local=False)
 
@@ -599,11 +599,11 @@ class WorkerStatements(Role):
     # (EXPLAIN (GENERIC_PLAN) cannot ANALYZE, and needs PostgreSQL 16).
     DOCTOR_CLAIM = "asyncjobq_doctor_claim"
 
-    @property
+    @cached_property
     def doctor_worker_plans_local(self) -> Statement:
         return self._worker_plan_settings(is_local=True)
 
-    @property
+    @cached_property
     def job_claim_one_queue_prepare(self) -> Statement:
         # The placeholders are this module's own, swapped in the template before composing.
         template = self._job_claim_update(self._next_due_one_queue())
@@ -619,11 +619,11 @@ class WorkerStatements(Role):
             sql.Identifier(self.DOCTOR_CLAIM), sql.Literal(worker), sql.Literal(queue),
             sql.Literal(limit))
 
-    @property
+    @cached_property
     def doctor_claim_prepared(self) -> Statement:
         return sql.SQL("SELECT 1 FROM pg_prepared_statements WHERE name = {}").format(
             sql.Literal(self.DOCTOR_CLAIM))
 
-    @property
+    @cached_property
     def job_claim_one_queue_deallocate(self) -> Statement:
         return sql.SQL("DEALLOCATE {}").format(sql.Identifier(self.DOCTOR_CLAIM))

@@ -6,6 +6,8 @@ statement workers run, which it must stay.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from psycopg import sql
 
 from .common import IndexDefinition, Role, Statement, _q
@@ -14,22 +16,22 @@ from .common import IndexDefinition, Role, Statement, _q
 class DoctorStatements(Role):
     # --- read-only health checks -------------------------------------------------------------
 
-    @property
+    @cached_property
     def doctor_set_local_timeouts(self) -> sql.SQL:
         return sql.SQL("SET LOCAL lock_timeout = '1s'; SET LOCAL statement_timeout = '10s'")
 
-    @property
+    @cached_property
     def doctor_server(self) -> sql.SQL:
         return sql.SQL(
             "SELECT current_setting('server_version'), current_setting('autovacuum'),"
             "  current_setting('track_counts'), pg_notification_queue_usage()"
         )
 
-    @property
+    @cached_property
     def server_now(self) -> sql.SQL:
         return sql.SQL("SELECT now()")
 
-    @property
+    @cached_property
     def doctor_table_stats(self) -> Statement:
         # Tuple counts come from the statistics collector: estimates, flushed about once a second.
         return sql.SQL(
@@ -44,7 +46,7 @@ class DoctorStatements(Role):
             " ORDER BY c.relname"
         ).format(schema=sql.Literal(self.schema))
 
-    @property
+    @cached_property
     def doctor_index_stats(self) -> Statement:
         return sql.SQL(
             "SELECT t.relname, i.relname, ix.indisvalid, pg_relation_size(i.oid),"
@@ -57,7 +59,7 @@ class DoctorStatements(Role):
             " WHERE n.nspname = {schema} ORDER BY t.relname, i.relname"
         ).format(schema=sql.Literal(self.schema))
 
-    @property
+    @cached_property
     def job_count_stale_running(self) -> Statement:
         return _q(
             "SELECT count(*), extract(epoch FROM now() - min(locked_at)) FROM {s}.jobs"
@@ -65,7 +67,7 @@ class DoctorStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def doctor_history_counts_drift(self) -> Statement:
         # history_counts (0003_history_counts.sql) against a count of every history row:
         # they part only if rows were written with the triggers disabled, or a data-only
@@ -82,7 +84,7 @@ class DoctorStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def doctor_xmin_holders(self) -> sql.SQL:
         # Sessions whose snapshot or transaction id holds back the xmin horizon: while they are
         # open, vacuum cannot remove any row deleted after they began, in any table.
@@ -97,7 +99,7 @@ class DoctorStatements(Role):
             " ORDER BY xact_start"
         )
 
-    @property
+    @cached_property
     def doctor_prepared_xacts(self) -> sql.SQL:
         return sql.SQL(
             "SELECT gid, extract(epoch FROM now() - prepared), age(transaction)"
@@ -105,14 +107,14 @@ class DoctorStatements(Role):
             "   AND prepared < now() - make_interval(secs => %(age)s)"
         )
 
-    @property
+    @cached_property
     def doctor_replication_slots(self) -> sql.SQL:
         return sql.SQL(
             "SELECT slot_name, active, greatest(age(xmin), age(catalog_xmin))"
             " FROM pg_replication_slots WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL"
         )
 
-    @property
+    @cached_property
     def queue_list_queued(self) -> Statement:
         return _q("SELECT DISTINCT queue FROM {s}.jobs WHERE status = 'queued' ORDER BY 1",
                   self.schema)
@@ -138,7 +140,7 @@ class DoctorStatements(Role):
         return sql.SQL("REINDEX INDEX CONCURRENTLY {s}.{name}").format(
             s=sql.Identifier(self.schema), name=sql.Identifier(index))
 
-    @property
+    @cached_property
     def history_counts_recount(self) -> Statement:
         # The doctor's advice for a drift (shown, never run by asyncjobq): the lock holds
         # history's writers back until the new counts commit, as the migration's backfill.

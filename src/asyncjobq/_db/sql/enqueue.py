@@ -13,15 +13,15 @@ class EnqueueStatements(Role):
     # untraced statements, which producers without tracing run, stay as they were (and run on
     # a schema not yet upgraded to version 5).
 
-    @property
+    @cached_property
     def job_insert(self) -> Statement:
         return self._job_insert(traced=False)
 
-    @property
+    @cached_property
     def job_insert_traced(self) -> Statement:
         return self._job_insert(traced=True)
 
-    @property
+    @cached_property
     def job_insert_keyed(self) -> Statement:
         # enqueue(key=...): the key column exists from schema version 7 on, so only keyed jobs
         # name it (and, to keep the twins few, the trace context too, NULL when untraced).
@@ -77,15 +77,15 @@ class EnqueueStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def job_insert_many(self) -> Statement:
         return self._job_insert_many(traced=False)
 
-    @property
+    @cached_property
     def job_insert_many_traced(self) -> Statement:
         return self._job_insert_many(traced=True)
 
-    @property
+    @cached_property
     def job_insert_many_keyed(self) -> Statement:
         # enqueue_many(keys=[...]): the keys, a JSON array beside the payloads' (null: no
         # key), zipped by ROWS FROM. The trace context is NULL when untraced.

@@ -3,6 +3,8 @@ scheduler."""
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from psycopg import sql
 
 from .common import Role, Statement, _advisory_xact_lock, _q, notify_lanes
@@ -10,11 +12,11 @@ from .common import Role, Statement, _advisory_xact_lock, _q, notify_lanes
 
 class MaintenanceStatements(Role):
 
-    @property
+    @cached_property
     def reaper_try_lock(self) -> Statement:
         return _advisory_xact_lock(f"asyncjobq.reaper.{self.schema}", wait=False)
 
-    @property
+    @cached_property
     def job_reap_stuck(self) -> Statement:
         # Running rows whose holder stopped heartbeating for longer than the lease: requeue,
         # or fail once the attempts are spent (a job that keeps killing workers is a poison pill).
@@ -42,7 +44,7 @@ class MaintenanceStatements(Role):
 
     # --- maintenance: leadership ------------------------------------------------------------
 
-    @property
+    @cached_property
     def leader_elect(self) -> Statement:
         # Take the row when it is free or expired, renew it when it is ours; either way the
         # current leader comes back, with `held`: true only when this statement wrote the row.
@@ -66,11 +68,11 @@ class MaintenanceStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def leader_resign(self) -> Statement:
         return _q("DELETE FROM {s}.leader WHERE worker = %(worker)s", self.schema)
 
-    @property
+    @cached_property
     def leader_get(self) -> Statement:
         return _q(
             "SELECT worker, elected_at, expires_at FROM {s}.leader"
@@ -80,15 +82,15 @@ class MaintenanceStatements(Role):
 
     # --- maintenance: pruning ----------------------------------------------------------------
 
-    @property
+    @cached_property
     def pruner_try_lock(self) -> Statement:
         return _advisory_xact_lock(f"asyncjobq.prune.{self.schema}", wait=False)
 
-    @property
+    @cached_property
     def pruner_lock(self) -> Statement:
         return _advisory_xact_lock(f"asyncjobq.prune.{self.schema}", wait=True)
 
-    @property
+    @cached_property
     def job_history_delete_expired(self) -> Statement:
         # One bounded batch. Per-queue ages come as parallel arrays; queues not listed use
         # %(default_age)s; a NULL age keeps that queue's history forever. The first finished_at
@@ -109,7 +111,7 @@ class MaintenanceStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def history_counts_fold(self) -> Statement:
         # The writers' shards (1..64) summed into shard 0, in one statement so that stats()
         # sees either the shards or their sum, never neither. Rows are locked in key order
@@ -130,12 +132,12 @@ class MaintenanceStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def history_counts_delete_empty(self) -> Statement:
         # Queues whose history is all pruned would otherwise keep a zero row for good.
         return _q("DELETE FROM {s}.history_counts WHERE shard = 0 AND n = 0", self.schema)
 
-    @property
+    @cached_property
     def job_failed_delete_older(self) -> Statement:
         # Dead-lettered jobs are only deleted on purpose (`prune --failed`), in bounded batches.
         return _q(
@@ -152,20 +154,20 @@ class MaintenanceStatements(Role):
 
     # --- maintenance: vacuum of the hot table ---------------------------------------------------
 
-    @property
+    @cached_property
     def _hot_vacuum_key(self) -> Statement:
         return sql.SQL("hashtext({})").format(sql.Literal(f"asyncjobq.vacuum.{self.schema}"))
 
-    @property
+    @cached_property
     def hot_vacuum_try_lock(self) -> Statement:
         # Session-scoped (VACUUM cannot run in a transaction); released by hot_vacuum_unlock.
         return sql.SQL("SELECT pg_try_advisory_lock({})").format(self._hot_vacuum_key)
 
-    @property
+    @cached_property
     def hot_vacuum_unlock(self) -> Statement:
         return sql.SQL("SELECT pg_advisory_unlock({})").format(self._hot_vacuum_key)
 
-    @property
+    @cached_property
     def hot_vacuum_end_abandoned(self) -> Statement:
         # The session of a VACUUM whose connection the client closed mid-statement: the server
         # notices only once the VACUUM is over, and keeps the lock until then. Only a session
@@ -180,7 +182,7 @@ class MaintenanceStatements(Role):
             "   AND l.objid = ({key}::bigint & 4294967295)::oid"
         ).format(key=self._hot_vacuum_key)
 
-    @property
+    @cached_property
     def job_table_dead_tuples(self) -> Statement:
         # Only the owner (or a superuser) may vacuum: say so rather than try and be refused.
         return sql.SQL(
@@ -191,7 +193,7 @@ class MaintenanceStatements(Role):
             " WHERE c.oid = to_regclass({})"
         ).format(sql.Literal(f'"{self.schema}".jobs'))
 
-    @property
+    @cached_property
     def job_table_vacuum(self) -> Statement:
         # SKIP_LOCKED: if autovacuum (or another worker) is at it, skip rather than queue.
         # INDEX_CLEANUP ON: PostgreSQL skips the indexes when few heap pages have dead rows,
@@ -200,7 +202,7 @@ class MaintenanceStatements(Role):
 
     # --- maintenance: periodic scheduler ------------------------------------------------------
 
-    @property
+    @cached_property
     def periodic_last_ticks(self) -> Statement:
         # The latest recorded tick of each schedule (one backward index probe per name) and
         # the server's clock, which every leader judges due ticks by.
@@ -212,7 +214,7 @@ class MaintenanceStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def periodic_ticks_enqueue(self) -> Statement:
         # Every due tick of every schedule in one statement: a tick's row and its job are
         # written together or not at all. A tick is written only when it is later than its
@@ -255,7 +257,7 @@ class MaintenanceStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def periodic_ticks_forget_future(self) -> Statement:
         # The server's clock was set back (scheduler.py): rows past it would hold their
         # schedules until the clock caught up.
@@ -265,7 +267,7 @@ class MaintenanceStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def periodic_ticks_prune(self) -> Statement:
         # Each schedule's latest row is where its next tick is computed from: it stays.
         return _q(

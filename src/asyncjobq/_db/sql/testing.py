@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from psycopg import sql
 
 from .common import INFO_COLUMNS, Role, Statement, _q
@@ -11,22 +13,22 @@ from .common import INFO_COLUMNS, Role, Statement, _q
 class TestingStatements(Role):
     # --- the test schema ---------------------------------------------------------------------
 
-    @property
+    @cached_property
     def search_path_show(self) -> sql.SQL:
         return sql.SQL("SHOW search_path")
 
-    @property
+    @cached_property
     def session_lock_timeout_5s(self) -> sql.SQL:
         # Set before schema_drop, which must not wait forever on a leftover worker's locks.
         return sql.SQL("SET lock_timeout = '5s'")
 
-    @property
+    @cached_property
     def schema_drop(self) -> Statement:
         return _q("DROP SCHEMA IF EXISTS {s} CASCADE", self.schema)
 
     # --- enqueued, drain ---------------------------------------------------------------------
 
-    @property
+    @cached_property
     def job_list_queued(self) -> Statement:
         # Due or not, of %(task)s and %(queue)s when not NULL, oldest first.
         return _q(
@@ -36,7 +38,7 @@ class TestingStatements(Role):
             self.schema,
         )
 
-    @property
+    @cached_property
     def job_claim_one_for_drain(self) -> Statement:
         # One job at a time, in the worker's claim order, of %(queues)s (NULL: all), not in a
         # paused queue. Due by the server's clock: %(until)s (a time) and %(ahead)s (seconds

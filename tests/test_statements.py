@@ -1,0 +1,28 @@
+"""Statements are rendered once (src/asyncjobq/_db/sql/common.py, rendered): whitespace outside
+quotes squeezed, which only a comment or a dollar quote in a template could make wrong."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from psycopg import sql
+
+from asyncjobq._db.sql import Statements, statements
+from asyncjobq._db.sql.common import rendered
+
+
+def test_every_statement_renders_to_one_line_without_comments_or_dollar_quotes() -> None:
+    st = statements("a schema")
+    names = {n for cls in Statements.__mro__ for n, v in vars(cls).items()
+             if isinstance(v, cached_property)}
+    assert len(names) > 50
+    for name in names:
+        text = getattr(st, name).as_string(None)
+        assert "--" not in text and "/*" not in text and "$$" not in text, name
+        assert "\n" not in text.replace("E'\\n'", ""), name
+        assert '"a schema"' in text or "{s}" not in text, name
+
+
+def test_rendering_keeps_what_is_quoted() -> None:
+    q = rendered(sql.SQL("SELECT  'a  b',\n  \"x  y\", E'\\n'  ,  'it''s  '"))
+    assert q.as_string(None) == "SELECT 'a  b', \"x  y\", E'\\n' , 'it''s  '"
