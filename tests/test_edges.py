@@ -281,3 +281,31 @@ async def test_a_stop_mid_vacuum_leaves_the_vacuum_lock_free(queue: Queue, pg_ds
             if stop == "task cancel":
                 assert conn.info.backend_pid == pid  # unlocked, and kept in the pool
         assert vacuum.vacuums == 0
+
+
+async def test_the_vacuum_waits_while_the_horizon_has_not_moved(
+        queue: Queue, pg_dsn: str) -> None:
+    """Under a pinned xmin horizon a VACUUM removes nothing and only reads the growing table:
+    once one has run since the horizon last moved, the leader's vacuum skips its turns, and
+    vacuums again once the transaction holding it ends."""
+    pin = psycopg.connect(pg_dsn)
+    pin.execute("CREATE TEMP TABLE pin (x int)")
+    pin.execute("INSERT INTO pin VALUES (1)")  # a writing transaction, left open
+    vacuum = HotTableVacuum(queue.database, interval=0.05)
+
+    async def dead_rows() -> bool:
+        await execute(queue, "SELECT pg_stat_force_next_flush()")
+        return int(await fetchval(queue, "SELECT n_dead_tup FROM pg_stat_user_tables"
+                                         " WHERE relid = '{s}.jobs'::regclass")) > 2000
+
+    try:
+        await queue.enqueue_many("t", [{"i": i} for i in range(3000)])
+        await execute(queue, "DELETE FROM {s}.jobs")
+        await wait_for(dead_rows, 10, what="dead rows counted")
+        assert await vacuum.turn() is True  # the first since the transaction began
+        await asyncio.sleep(0.06)  # past the interval
+        assert await vacuum.turn() is False
+        assert vacuum.held_back == 1
+    finally:
+        pin.close()
+    await wait_for(vacuum.turn, 10, what="a vacuum once the horizon moved on")

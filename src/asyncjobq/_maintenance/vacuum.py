@@ -47,6 +47,7 @@ class HotTableVacuum(Service):
         self.interval = interval
         self.vacuums = 0
         self.disabled = False
+        self.held_back = 0  # turns skipped because the xmin horizon had not moved
 
     async def turn(self) -> bool:
         """Vacuum the jobs table if it needs it and no other worker is; True if it ran."""
@@ -59,6 +60,7 @@ class HotTableVacuum(Service):
                 if row is None:
                     return False
                 dead, live, since, may_vacuum = int(row[0]), int(row[1]), row[2], bool(row[3])
+                held = bool(row[4])
                 if not may_vacuum:
                     log.info("this role does not own %s.jobs, so it cannot vacuum it: leaving "
                              "that to autovacuum (run workers as the owner for a faster claim)",
@@ -68,6 +70,11 @@ class HotTableVacuum(Service):
                 if dead < MIN_DEAD + DEAD_FRACTION * live:
                     return False
                 if since is not None and float(since) < self.interval:
+                    return False
+                if held:
+                    # The horizon has not moved since the last vacuum: this one would remove
+                    # nothing (docs/operations/xmin.md). Checked again every turn.
+                    self.held_back += 1
                     return False
                 pid = conn.info.backend_pid
                 may_hold = True  # from the moment the lock is asked for: its reply may be lost

@@ -24,6 +24,7 @@ from .._db.database import Database
 from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, Backoff, RetryPolicy
 from .._db.sql import Statement
+from .._db.sql.claim import WorkerStatements
 from ..errors import reason
 from ..job import Job
 from .floors import Floors
@@ -47,8 +48,6 @@ HELD_RETRY = 0.1
 # claimed again at once, and every such claim queues on the task's lock in flow_admit with the
 # other workers' claims of it.
 RATE_RETRY = 0.02
-# The task column of a claim's floors marker row (sql/claim.py).
-FLOORS = "floors"
 # Claims from floors are opt-in for now: they keep a pinned horizon from slowing the claim
 # (docs/how-it-works/storage.md), but cost a default drain about 13 % (benchmarks/limits_ab.py,
 # against the code without them), which is not paid back yet.
@@ -222,7 +221,7 @@ class Fetcher:
 
     def _jobs(self, rows: Sequence[Sequence[Any]], token: int | None = None) -> list[Job]:
         if token is not None:
-            floors = [r[3] for r in rows if r[0] is None and r[1] == FLOORS]
+            floors = [r[3] for r in rows if r[0] is None and r[1] == WorkerStatements.FLOORS_MARKER]
             if floors:
                 self.floors.settle(token, floors[0])
             else:
@@ -237,7 +236,8 @@ class Fetcher:
             self._held_retry.reset()
             self._rate_retry.reset()
         for r in rows:
-            if r[0] is None and r[1] != FLOORS:  # a limited claim held r[4] rows back
+            # A limited claim held r[4] rows back.
+            if r[0] is None and r[1] != WorkerStatements.FLOORS_MARKER:
                 self._held_back_until(r[4], r[5])
         # RETURNING order is the update's, not the claim's: hand jobs out in claim order.
         jobs.sort(key=lambda j: (-j.priority, j.run_at, j.id))
@@ -254,26 +254,30 @@ class Fetcher:
             delay = self._held_retry.next()
         self.wakeup.at(time.monotonic() + delay)
 
-    def _statement(self, one_queue: Statement, many_queues: Statement) -> Statement:
-        return one_queue if self.single_queue else many_queues
+    def _choose(self, plain: tuple[Statement, Statement], limited: tuple[Statement, Statement],
+                floored: tuple[Statement, Statement], limit: int,
+                ) -> tuple[Statement, dict[str, object], int | None]:
+        """The claim to send, of (one queue, several queues) each: its statement, parameters
+        and floors' token (None unless it claims from floors)."""
+        params = self._claim_params(limit)
+        which = 0 if self.single_queue else 1
+        if self.floors.ready():  # never with limits (listening())
+            token, lanes = self.floors.begin()
+            params.update(lanes)
+            return floored[which], params, token
+        return (plain if self._limits is None else limited)[which], params, None
 
     async def claim(self, limit: int) -> list[Job]:
         st = self._db.sql
-        query = (self._statement(st.job_claim_one_queue, st.job_claim_many_queues)
-                 if self._limits is None else
-                 self._statement(st.job_claim_one_queue_limited,
-                                 st.job_claim_many_queues_limited))
-        params = self._claim_params(limit)
-        token = None
         async with self._own.connection() as conn:
             unknown = self.floors.unknown()
             if unknown:
                 await self._discover(conn, unknown)
-            if self.floors.ready():
-                query = self._statement(st.job_claim_one_queue_from_floors,
-                                        st.job_claim_many_queues_from_floors)
-                token, lanes = self.floors.begin()
-                params.update(lanes)
+            query, params, token = self._choose(
+                (st.job_claim_one_queue, st.job_claim_many_queues),
+                (st.job_claim_one_queue_limited, st.job_claim_many_queues_limited),
+                (st.job_claim_one_queue_from_floors, st.job_claim_many_queues_from_floors),
+                limit)
             try:
                 cur = await conn.execute(query, params)
                 rows = await cur.fetchall()
@@ -307,22 +311,16 @@ class Fetcher:
             return None
         self._reserved += limit
         st = self._db.sql
-        query = (
-            self._statement(st.job_set_outcome_if_running_many_then_claim_one_queue,
-                            st.job_set_outcome_if_running_many_then_claim_many_queues)
-            if self._limits is None else
-            self._statement(st.job_set_outcome_if_running_many_then_claim_one_queue_limited,
-                            st.job_set_outcome_if_running_many_then_claim_many_queues_limited))
-        params = self._claim_params(limit)
-        token = None
         # Lanes not known yet: this claim walks them from their start, the fetcher's own next
         # claim discovers them.
-        if self.floors.ready():
-            query = self._statement(
-                st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors,
-                st.job_set_outcome_if_running_many_then_claim_many_queues_from_floors)
-            token, lanes = self.floors.begin()
-            params.update(lanes)
+        query, params, token = self._choose(
+            (st.job_set_outcome_if_running_many_then_claim_one_queue,
+             st.job_set_outcome_if_running_many_then_claim_many_queues),
+            (st.job_set_outcome_if_running_many_then_claim_one_queue_limited,
+             st.job_set_outcome_if_running_many_then_claim_many_queues_limited),
+            (st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors,
+             st.job_set_outcome_if_running_many_then_claim_many_queues_from_floors),
+            limit)
         return FoldedClaim(query, params, limit, token)
 
     def folded_claimed(self, rows: Sequence[Sequence[Any]], claim: FoldedClaim) -> None:

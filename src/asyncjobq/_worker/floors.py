@@ -64,7 +64,6 @@ class Floors:
         # Lowerings heard while claims were in flight: (serial, queue, priority, floor).
         self._pending: list[tuple[int, str, int | None, Floor]] = []
         self._discovered_at = 0.0
-        self.discoveries = 0
 
     # --- what the next claim needs ---------------------------------------------------------
 
@@ -128,7 +127,6 @@ class Floors:
         self._lanes.update(found)
         if not self._discovered_at or set(queues) >= self._queues:
             self._discovered_at = time.monotonic()
-        self.discoveries += 1
         self._reapply(since)
         self._prune()
 

@@ -194,7 +194,7 @@ class WorkerStatements(Role):
     # are, with [[queue, priority, run_at, id], ...] in the payload column.
     FLOORS_MARKER = "floors"
     _FLOORS_ROW = (
-        "SELECT NULL::bigint, 'floors'::text, NULL::text,"
+        "SELECT NULL::bigint, '" + FLOORS_MARKER + "'::text, NULL::text,"
         " (SELECT coalesce(jsonb_agg(jsonb_build_array(queue, priority, run_at, id)), '[]')"
         "  FROM peek WHERE %(peek)s), NULL::int, NULL::int, NULL::int, NULL::timestamptz,"
         " NULL::timestamptz, NULL::jsonb")
