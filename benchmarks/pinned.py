@@ -3,6 +3,7 @@ workers' claims, the backlog and the hot table do meanwhile.
 
     .venv/bin/python -m benchmarks.pinned --rate 1000 --pressure idle --pin 120
     .venv/bin/python -m benchmarks.pinned --rate 2000 --pressure readers --pin 120
+    .venv/bin/python -m benchmarks.pinned --summary floors   # medians of runs labelled floors-r<n>
 
 Phases: `--warm` seconds clean, `--pin` seconds under pressure, `--after` seconds released.
 Pressure `idle`: a transaction that wrote a row (to a table of its own) and then sits idle.
@@ -27,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -103,7 +105,7 @@ class Run:
         self.stop = asyncio.Event()
         self.samples: list[dict[str, Any]] = []
         self.phase = "warm"
-        self.timings = RESULTS / f".pinned-timings-{os.getpid()}"
+        self.timings = Path(tempfile.gettempdir()) / f"asyncjobq-pinned-timings-{os.getpid()}"
 
     async def produce(self) -> None:
         tick = 0.05
@@ -231,7 +233,37 @@ def _spawn(env: dict[str, str], a: argparse.Namespace) -> subprocess.Popen[bytes
         cwd=HERE.parent, env=env)
 
 
+def summary(label: str) -> str:
+    """A Markdown table of the runs labelled `label`-r<n>: per cell, medians of the runs."""
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for path in sorted(RESULTS.glob(f"pinned-*-{label}-r*.json")):
+        run = json.loads(path.read_text())
+        a = run["args"]
+        cells.setdefault((a["pressure"], a["rate"]), []).append(run)
+    lines = [
+        "| pressure | jobs/s offered | runs | during the pin, of offered | backlog max (jobs) |"
+        " claim p50 clean -> pinned (ms) | claim p99 clean -> pinned (ms) | p99 ratio |"
+        " `jobs` size at the pin's end (MB) | dead rows at its end |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (pressure, rate), runs in sorted(cells.items()):
+        def med(phase: str, key: str, runs: list[dict[str, Any]] = runs) -> float:
+            return statistics.median(r["phases"][phase][key] for r in runs)
+        ratio = statistics.median(r["phases"]["pinned"]["claim_ms_p99"]
+                                  / r["phases"]["warm"]["claim_ms_p99"] for r in runs)
+        lines.append(
+            f"| {pressure} | {rate:,} | {len(runs)} | {med('pinned', 'of_offered'):.1%} |"
+            f" {med('pinned', 'backlog_max'):,.0f} |"
+            f" {med('warm', 'claim_ms_p50'):.2f} -> {med('pinned', 'claim_ms_p50'):.2f} |"
+            f" {med('warm', 'claim_ms_p99'):.1f} -> {med('pinned', 'claim_ms_p99'):.1f} |"
+            f" {ratio:.1f}x | {med('pinned', 'size_bytes_end') / 1e6:.1f} |"
+            f" {med('pinned', 'dead_end'):,.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--summary"]:
+        print(summary(sys.argv[2]))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", type=int, default=1000)
     p.add_argument("--pressure", choices=["idle", "readers"], default="idle")

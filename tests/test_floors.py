@@ -271,3 +271,33 @@ def test_a_floor_at_minus_infinity_keeps_its_id_and_goes_out_as_null() -> None:
     token, _ = f.begin()
     f.settle(token, [["a", 0, "infinity", 9]])
     assert _floor(f, "a", 0)[0] == TOP[0]
+
+
+async def test_unset_floors_follow_the_horizon(queue: Queue, pg_dsn: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """ASYNCJOBQ_CLAIM_FLOORS unset: a worker claims from floors while a session holds the
+    horizon, walks each lane from its start otherwise, and runs its jobs either way."""
+    monkeypatch.delenv("ASYNCJOBQ_CLAIM_FLOORS")
+    done: list[int] = []
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        done.append(job.id)
+
+    async with running(Worker(queue, concurrency=5)) as w:
+        fetcher = w.fetcher
+        assert fetcher is not None
+        await queue.enqueue_many("t", [{}] * 10)
+        await wait_for(lambda: len(done) == 10, 10, what="jobs run, horizon free")
+        assert not fetcher.floors.enabled
+        pin = _pin(pg_dsn)
+        try:
+            await wait_for(lambda: fetcher.floors.enabled, 10, what="floors on")
+            await queue.enqueue_many("t", [{}] * 10)
+            await wait_for(lambda: len(done) == 20 and fetcher.floors.ready(), 10,
+                           what="jobs run from floors")
+        finally:
+            pin.close()
+        await wait_for(lambda: not fetcher.floors.enabled, 10, what="floors off again")
+        await queue.enqueue_many("t", [{}] * 10)
+        await wait_for(lambda: len(done) == 30, 10, what="jobs run, horizon free again")

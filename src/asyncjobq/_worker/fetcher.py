@@ -48,10 +48,13 @@ HELD_RETRY = 0.1
 # claimed again at once, and every such claim queues on the task's lock in flow_admit with the
 # other workers' claims of it.
 RATE_RETRY = 0.02
-# Claims from floors are opt-in for now: they keep a pinned horizon from slowing the claim
-# (docs/how-it-works/storage.md), but cost a default drain about 13 % (benchmarks/limits_ab.py,
-# against the code without them), which is not paid back yet.
+# Claims from floors (floors.py, docs/how-it-works/storage.md): "1" always, "0" never, unset
+# while the xmin horizon is held (HORIZON_CHECK). They keep a pinned horizon from slowing the
+# claims (2,000 jobs/s offered, 120 s pinned: 100 % kept instead of 40 %), but cost an
+# unpinned drain about 13 % (benchmarks/limits_ab.py against the code without them).
 FLOORS_ENV = "ASYNCJOBQ_CLAIM_FLOORS"
+# How often a worker whose floors follow the horizon asks whether it is held.
+HORIZON_CHECK = 1.0
 
 
 class Wakeup:
@@ -162,6 +165,8 @@ class Fetcher:
         # listener calls listening()/deaf()) and no limited task is served (the limited claims
         # walk their lanes from the start).
         self.floors = Floors(self._queues, enabled=False)
+        self._listening = False
+        self.horizon_held = False
 
     @property
     def single_queue(self) -> bool:
@@ -173,14 +178,44 @@ class Fetcher:
     def listening(self) -> None:
         """The LISTEN connection is (again) up: notifications sent while it was down are lost,
         so floors start over from a walk of every lane."""
-        self.floors.forget()
-        self.floors.enabled = self._limits is None and os.environ.get(FLOORS_ENV) == "1"
+        self._listening = True
+        self._use_floors()
         self.wakeup.set()
 
     def deaf(self) -> None:
         """The LISTEN connection went down: no notification lowers a floor meanwhile."""
+        self._listening = False
+        self._use_floors()
+
+    def _use_floors(self) -> None:
+        # Forgotten whenever they go on or off: while off, no claim reads its next floors.
+        mode = os.environ.get(FLOORS_ENV)
+        use = (self._listening and self._limits is None and mode != "0"
+               and (mode == "1" or self.horizon_held))
         self.floors.forget()
-        self.floors.enabled = False
+        self.floors.enabled = use
+
+    async def watch_horizon(self) -> None:
+        """While floors follow the horizon: ask every HORIZON_CHECK seconds whether a session
+        holds it, and claim from floors while one does (sql/claim.py, horizon_held)."""
+        if os.environ.get(FLOORS_ENV) in ("0", "1") or self._limits is not None:
+            return
+        while not self.stopping:
+            try:
+                async with self._db.connection() as conn:
+                    cur = await conn.execute(self._db.sql.horizon_held,
+                                             {"seconds": HORIZON_CHECK})
+                    row = await cur.fetchone()
+                held = bool(row and row[0])
+            except (psycopg.Error, PoolTimeout):
+                held = self.horizon_held  # the claims' own retries report the database
+            if held != self.horizon_held:
+                self.horizon_held = held
+                log.info("the xmin horizon is %s: claims %s", "held by a session" if held
+                         else "free again", "start from floors" if held
+                         else "walk each lane from its start")
+                self._use_floors()
+            await anyio.sleep(HORIZON_CHECK)
 
     def notify(self, queue: str | None, run_at_epoch: float | None,
                lanes: Sequence[Any] | None = ()) -> None:
@@ -431,8 +466,10 @@ class Fetcher:
                         "will be reaped after the lease", reason(e))
 
     async def run(self) -> None:
-        async with self._own:
+        async with self._own, anyio.create_task_group() as tg:
+            tg.start_soon(self.watch_horizon)
             await self._run()
+            tg.cancel_scope.cancel()
 
     async def _run(self) -> None:
         retry = RetryPolicy(log, "claiming jobs")

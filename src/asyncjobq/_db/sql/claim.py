@@ -214,6 +214,19 @@ class WorkerStatements(Role):
         return self._job_claim_from_floors(one_queue=False)
 
     @cached_property
+    def horizon_held(self) -> Statement:
+        # Whether a session of this database has held a snapshot or a transaction id for
+        # longer than %(seconds)s: the xmin horizon is pinned, and every claimed row's dead
+        # index entry stays (fetcher.py, watch_horizon). Sessions of roles whose activity this
+        # one may not see do not count (pg_read_all_stats shows them).
+        return self._compose(
+            "SELECT EXISTS (SELECT FROM pg_stat_activity a"
+            " WHERE a.datname = current_database() AND a.backend_type = 'client backend'"
+            "   AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)"
+            "   AND a.xact_start < now() - make_interval(secs => %(seconds)s)"
+            "   AND a.pid <> pg_backend_pid())")
+
+    @cached_property
     def lanes_discover(self) -> Statement:
         # A worker that knows no floors for %(queues)s (it started, or its LISTEN connection
         # was down and notifications may be lost): each queue's lanes, by a walk of
