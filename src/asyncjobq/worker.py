@@ -321,6 +321,7 @@ class Worker:
             services.start_soon(completer.run)
             services.start_soon(heartbeat.tick)
             services.start_soon(runner.run)
+            services.start_soon(fetcher.watch_horizon)
             if self.listen:
                 self.listener = Listener(
                     self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.listening,

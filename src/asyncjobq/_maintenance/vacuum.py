@@ -48,6 +48,7 @@ class HotTableVacuum(Service):
         self.vacuums = 0
         self.disabled = False
         self.held_back = 0  # turns skipped because the xmin horizon had not moved
+        self._began: object = None  # the server's clock as this leader's last vacuum began
 
     async def turn(self) -> bool:
         """Vacuum the jobs table if it needs it and no other worker is; True if it ran."""
@@ -55,12 +56,12 @@ class HotTableVacuum(Service):
         abandoned: int | None = None  # the pid of a session that may still hold the lock
         try:
             async with self._db.connection() as conn:
-                cur = await conn.execute(st.job_table_dead_tuples)
+                cur = await conn.execute(st.job_table_dead_tuples, {"since": self._began})
                 row = await cur.fetchone()
                 if row is None:
                     return False
                 dead, live, since, may_vacuum = int(row[0]), int(row[1]), row[2], bool(row[3])
-                held = bool(row[4])
+                now, held = row[4], bool(row[5])
                 if not may_vacuum:
                     log.info("this role does not own %s.jobs, so it cannot vacuum it: leaving "
                              "that to autovacuum (run workers as the owner for a faster claim)",
@@ -72,8 +73,8 @@ class HotTableVacuum(Service):
                 if since is not None and float(since) < self.interval:
                     return False
                 if held:
-                    # The horizon has not moved since the last vacuum: this one would remove
-                    # nothing (docs/operations/xmin.md). Checked again every turn.
+                    # The horizon has not moved since this leader's last vacuum began: this one
+                    # would remove nothing (docs/operations/xmin.md). Checked every turn.
                     self.held_back += 1
                     return False
                 pid = conn.info.backend_pid
@@ -84,6 +85,7 @@ class HotTableVacuum(Service):
                     may_hold = bool(locked and locked[0])
                     if not may_hold:
                         return False
+                    self._began = now
                     await conn.execute(st.job_table_vacuum)
                 finally:
                     if may_hold and not await self._unlock(conn):

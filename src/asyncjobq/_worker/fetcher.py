@@ -53,8 +53,11 @@ RATE_RETRY = 0.02
 # claims (2,000 jobs/s offered, 120 s pinned: 100 % kept instead of 40 %), but cost an
 # unpinned drain about 13 % (benchmarks/limits_ab.py against the code without them).
 FLOORS_ENV = "ASYNCJOBQ_CLAIM_FLOORS"
-# How often a worker whose floors follow the horizon asks whether it is held.
+# How often a worker whose floors follow the horizon asks whether it is held, and how many
+# answers in a row switch floors on, and off.
 HORIZON_CHECK = 1.0
+HORIZON_ON = 2
+HORIZON_OFF = 5
 
 
 class Wakeup:
@@ -179,43 +182,55 @@ class Fetcher:
         """The LISTEN connection is (again) up: notifications sent while it was down are lost,
         so floors start over from a walk of every lane."""
         self._listening = True
+        self.floors.forget()
         self._use_floors()
         self.wakeup.set()
 
     def deaf(self) -> None:
         """The LISTEN connection went down: no notification lowers a floor meanwhile."""
         self._listening = False
+        self.floors.forget()
         self._use_floors()
 
     def _use_floors(self) -> None:
-        # Forgotten whenever they go on or off: while off, no claim reads its next floors.
         mode = os.environ.get(FLOORS_ENV)
         use = (self._listening and self._limits is None and mode != "0"
                and (mode == "1" or self.horizon_held))
-        self.floors.forget()
+        if use and not self.floors.enabled:
+            self.wakeup.set()  # its own claim discovers the lanes; folded ones cannot
+        # Switched off and on again while listening, floors stay what they were: every
+        # notification lowered them meanwhile, they are only staler.
         self.floors.enabled = use
 
     async def watch_horizon(self) -> None:
         """While floors follow the horizon: ask every HORIZON_CHECK seconds whether a session
-        holds it, and claim from floors while one does (sql/claim.py, horizon_held)."""
+        holds it (sql/claim.py, horizon_held); floors go on after HORIZON_ON such answers in a
+        row, off after HORIZON_OFF of the other, so that one long statement does not flip
+        them. Best effort: an error leaves them as they are."""
         if os.environ.get(FLOORS_ENV) in ("0", "1") or self._limits is not None:
             return
+        streak = 0
         while not self.stopping:
+            await anyio.sleep(HORIZON_CHECK)
+            if not self._listening:
+                continue
             try:
                 async with self._db.connection() as conn:
                     cur = await conn.execute(self._db.sql.horizon_held,
                                              {"seconds": HORIZON_CHECK})
                     row = await cur.fetchone()
-                held = bool(row and row[0])
-            except (psycopg.Error, PoolTimeout):
-                held = self.horizon_held  # the claims' own retries report the database
-            if held != self.horizon_held:
+            except Exception as e:  # a monitor: the claims themselves report the database
+                log.debug("could not tell whether the xmin horizon is held: %s", reason(e))
+                continue
+            held = bool(row and row[0])
+            streak = streak + 1 if held != self.horizon_held else 0
+            if streak >= (HORIZON_ON if held else HORIZON_OFF):
+                streak = 0
                 self.horizon_held = held
                 log.info("the xmin horizon is %s: claims %s", "held by a session" if held
                          else "free again", "start from floors" if held
                          else "walk each lane from its start")
                 self._use_floors()
-            await anyio.sleep(HORIZON_CHECK)
 
     def notify(self, queue: str | None, run_at_epoch: float | None,
                lanes: Sequence[Any] | None = ()) -> None:
@@ -466,10 +481,8 @@ class Fetcher:
                         "will be reaped after the lease", reason(e))
 
     async def run(self) -> None:
-        async with self._own, anyio.create_task_group() as tg:
-            tg.start_soon(self.watch_horizon)
+        async with self._own:
             await self._run()
-            tg.cancel_scope.cancel()
 
     async def _run(self) -> None:
         retry = RetryPolicy(log, "claiming jobs")

@@ -8,7 +8,15 @@ from functools import cached_property
 
 from psycopg import sql
 
-from .common import CLAIM_COLUMNS, Role, Statement, _q, history_row, notify_lanes
+from .common import (
+    CLAIM_COLUMNS,
+    HORIZON_HOLDERS,
+    Role,
+    Statement,
+    _q,
+    history_row,
+    notify_lanes,
+)
 
 # Not ended by this statement: a running row r of this worker whose attempt a completion
 # folded into the same statement finishes no longer runs (flow_out; for a key, `final` ones
@@ -215,16 +223,11 @@ class WorkerStatements(Role):
 
     @cached_property
     def horizon_held(self) -> Statement:
-        # Whether a session of this database has held a snapshot or a transaction id for
-        # longer than %(seconds)s: the xmin horizon is pinned, and every claimed row's dead
-        # index entry stays (fetcher.py, watch_horizon). Sessions of roles whose activity this
-        # one may not see do not count (pg_read_all_stats shows them).
+        # Whether a session has held the xmin horizon for longer than %(seconds)s: every
+        # claimed row's dead index entry then stays (fetcher.py, watch_horizon).
         return self._compose(
-            "SELECT EXISTS (SELECT FROM pg_stat_activity a"
-            " WHERE a.datname = current_database() AND a.backend_type = 'client backend'"
-            "   AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)"
-            "   AND a.xact_start < now() - make_interval(secs => %(seconds)s)"
-            "   AND a.pid <> pg_backend_pid())")
+            "SELECT EXISTS (SELECT FROM (" + HORIZON_HOLDERS + ") h"
+            " WHERE h.since < now() - make_interval(secs => %(seconds)s))")
 
     @cached_property
     def lanes_discover(self) -> Statement:

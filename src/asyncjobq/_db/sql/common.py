@@ -33,6 +33,21 @@ def history_row(status: str) -> str:
             " dedup_key, locked_by, last_error, created_at, now(), key")
 
 
+# Sessions of this database holding the xmin horizon back, and since when: one with a
+# transaction id since its transaction began; one with only a snapshot, since its transaction
+# began when idle in it (REPEATABLE READ keeps its snapshot) and since its statement began while
+# it runs one (READ COMMITTED takes a snapshot per statement). VACUUMs are left out: their xmin
+# holds nothing back. Sessions of roles whose activity this one may not see are not in it
+# (pg_read_all_stats shows them).
+HORIZON_HOLDERS = (
+    "SELECT CASE WHEN a.backend_xid IS NOT NULL OR a.state <> 'active' THEN a.xact_start"
+    "  ELSE a.query_start END AS since FROM pg_stat_activity a"
+    " WHERE a.datname = current_database() AND a.backend_type = 'client backend'"
+    "   AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)"
+    "   AND a.pid <> pg_backend_pid()"
+    "   AND a.pid NOT IN (SELECT v.pid FROM pg_stat_progress_vacuum v)")
+
+
 def notify_lanes(rows: str) -> str:
     """A scalar subquery that notifies %(channel)s of the rows of `rows` (any relation with
     queue, priority and run_at: rows this statement made queued), through the schema's

@@ -7,7 +7,7 @@ from functools import cached_property
 
 from psycopg import sql
 
-from .common import Role, Statement, _advisory_xact_lock, _q, notify_lanes
+from .common import HORIZON_HOLDERS, Role, Statement, _advisory_xact_lock, _q, notify_lanes
 
 
 class MaintenanceStatements(Role):
@@ -185,20 +185,17 @@ class MaintenanceStatements(Role):
     @cached_property
     def job_table_dead_tuples(self) -> Statement:
         # Only the owner (or a superuser) may vacuum: say so rather than try and be refused.
-        # The last column: a session of this database has held a snapshot or a transaction id
-        # since before the table's last vacuum. That vacuum could remove no row deleted after
-        # it began, and neither can the next: it would only read the table, which grows while
-        # the horizon stays. (Sessions of roles whose activity this one may not see count as
-        # none: the vacuum runs as before.)
+        # The last two columns: the server's clock, and whether a session of this database has
+        # held the xmin horizon since %(since)s, when the leader's last vacuum began (NULL: no
+        # such vacuum known). That vacuum could remove no row deleted after it began, and
+        # neither can the next: it would only read the table, which grows while the horizon
+        # stays.
         return sql.SQL(
             "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),"
             "  extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum)),"
-            "  pg_has_role(c.relowner, 'USAGE'),"
-            "  coalesce((SELECT min(a.xact_start) FROM pg_stat_activity a"
-            "    WHERE a.datname = current_database() AND a.backend_type = 'client backend'"
-            "      AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)"
-            "      AND a.pid <> pg_backend_pid())"
-            "   < greatest(s.last_vacuum, s.last_autovacuum), false)"
+            "  pg_has_role(c.relowner, 'USAGE'), now(),"
+            "  coalesce((SELECT min(h.since) FROM (" + HORIZON_HOLDERS + ") h)"
+            "   < %(since)s::timestamptz, false)"
             " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid"
             " WHERE c.oid = to_regclass({})"
         ).format(sql.Literal(f'"{self.schema}".jobs'))
