@@ -91,11 +91,25 @@ if os.environ.get(TIMINGS_ENV):
     _time_claims(os.environ[TIMINGS_ENV])
 
 
+# `jobs` and, were it partitioned, its partitions.
 STATS = sql.SQL(
-    "SELECT pg_total_relation_size({j}::regclass), coalesce(s.n_dead_tup, 0),"
+    "SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0), coalesce(sum(s.n_dead_tup), 0),"
     " (SELECT count(*) FILTER (WHERE status = 'queued') FROM {s}.jobs),"
     " (SELECT coalesce(sum(n), 0) FROM {s}.history_counts)"
-    " FROM pg_stat_user_tables s WHERE s.relid = {j}::regclass")
+    " FROM (SELECT relid FROM pg_partition_tree({j}::regclass) UNION SELECT {j}::regclass) t"
+    " LEFT JOIN pg_stat_user_tables s ON s.relid = t.relid")
+
+
+# --history: what a pin does to history, which the pruner and the dashboard read.
+HISTORY = sql.SQL(
+    "SELECT pg_total_relation_size({h}::regclass), pg_total_relation_size({c}::regclass),"
+    " coalesce((SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = {c}::regclass), 0)")
+
+
+async def _ms(call: Any) -> float:
+    t0 = time.perf_counter()
+    await call
+    return round((time.perf_counter() - t0) * 1000, 2)
 
 
 class Run:
@@ -123,8 +137,32 @@ class Run:
             cur = await conn.execute(STATS.format(j=sql.Literal(f"{SCHEMA}.jobs"),
                                                   s=sql.Identifier(SCHEMA)))
             size, dead, queued, done = await cur.fetchone() or (0, 0, 0, 0)
-        return {"t": time.time(), "phase": self.phase, "size": int(size), "dead": int(dead),
-                "queued": int(queued), "done": int(done)}
+        out = {"t": time.time(), "phase": self.phase, "size": int(size), "dead": int(dead),
+               "queued": int(queued), "done": int(done)}
+        if self.a.history:
+            async with self.q.connection() as conn:
+                cur = await conn.execute(HISTORY.format(
+                    h=sql.Literal(f"{SCHEMA}.jobs_history"),
+                    c=sql.Literal(f"{SCHEMA}.history_counts")))
+                hsize, csize, cdead = await cur.fetchone() or (0, 0, 0)
+            out.update({
+                "history_size": int(hsize), "counts_size": int(csize), "counts_dead": int(cdead),
+                "stats_ms": await _ms(self.q.stats()),
+                "list_done_ms": await _ms(self.q.list_jobs(status="done")),
+                "count_ms": await _ms(self.q.count_jobs()),
+                "throughput_ms": await _ms(self.q.throughput(60))})
+        return out
+
+    async def prunes(self) -> dict[str, Any]:
+        """At the pin's end: history older than 30 s deleted, then the same call again (it
+        finds nothing to delete, past the rows the first one left dead)."""
+        t0 = time.perf_counter()
+        first = sum((await self.q.prune(older_than=30)).values())
+        t1 = time.perf_counter()
+        second = sum((await self.q.prune(older_than=30)).values())
+        t2 = time.perf_counter()
+        return {"prune_deleted": first, "prune_ms": round((t1 - t0) * 1000, 1),
+                "prune_again_deleted": second, "prune_again_ms": round((t2 - t1) * 1000, 1)}
 
     async def hold_idle(self) -> None:
         async with await psycopg.AsyncConnection.connect(self.dsn) as c:
@@ -174,6 +212,9 @@ class Run:
                                     [asyncio.create_task(self.reader(i * 7.5))
                                      for i in range(4)])
                     elif self.phase == "pinned" and el >= ends["pinned"]:
+                        if a.history:
+                            self.pruned = await self.prunes()
+                            print(json.dumps(self.pruned), flush=True)
                         self.stop_pin.set()
                         await asyncio.gather(*pressure)
                         self.phase = "after"
@@ -198,6 +239,12 @@ class Run:
                    self.timings.read_text().splitlines()] if self.timings.exists() else []
         self.timings.unlink(missing_ok=True)
         out: dict[str, Any] = {"args": vars(a), "phases": {}}
+        if a.history:
+            out["history"] = [{k: x[k] for k in ("t", "phase", "history_size", "counts_size",
+                                                 "counts_dead", "stats_ms", "list_done_ms",
+                                                 "count_ms", "throughput_ms")}
+                              for x in self.samples]
+            out["pruned_at_pin_end"] = getattr(self, "pruned", None)
         s = self.samples
         for phase in ("warm", "pinned", "after"):
             ps = [x for x in s if x["phase"] == phase]
@@ -275,6 +322,9 @@ def main() -> None:
     p.add_argument("--after", type=float, default=20)
     p.add_argument("--window", type=float, default=5)
     p.add_argument("--label", default="")
+    p.add_argument("--history", action="store_true",
+                   help="also sample history's size, the read calls' times, and prune at the "
+                        "pin's end")
     a = p.parse_args()
     from benchmarks.common import start_server
     server = start_server()
