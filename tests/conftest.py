@@ -22,6 +22,7 @@ import pytest
 from psycopg import sql
 
 from asyncjobq import Queue, Worker
+from asyncjobq._db.sql.common import count_history
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -90,6 +91,13 @@ async def execute(q: Queue, query: str, *params: Any) -> None:
 
 
 _current: list[pytest.Item] = []
+
+
+def counted(insert: str) -> str:
+    """`insert` (an INSERT into jobs_history, `{s}` for the schema) counting its rows in
+    history_counts as asyncjobq's own writers do (0010_history_counted.sql)."""
+    return (f"WITH ins AS ({insert} RETURNING queue, status),"
+            f" counted AS ({count_history('ins')}) SELECT count(*) FROM ins")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -14,6 +14,7 @@ from .common import (
     Statement,
     _advisory_xact_lock,
     _q,
+    count_history,
     history_row,
     notify_lanes,
 )
@@ -167,10 +168,12 @@ class AdminStatements(Role):
     def job_cancel(self) -> Statement:
         return sql.SQL(
             "WITH cancelled AS ("
-            " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *)"
-            " INSERT INTO {s}.jobs_history ({h})"
+            " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *),"
+            " moved AS (INSERT INTO {s}.jobs_history ({h})"
             " SELECT " + history_row("cancelled") +
-            " FROM cancelled RETURNING id"
+            " FROM cancelled RETURNING id, queue, status),"
+            " counted AS (" + count_history("moved") + ")"
+            " SELECT id FROM moved"
         ).format(s=sql.Identifier(self.schema), h=sql.SQL(HISTORY_COLUMNS))
 
     # --- limits (0007_flow_control.sql) ----------------------------------------------------

@@ -14,7 +14,7 @@ from functools import cached_property
 
 from psycopg import sql
 
-from .common import HISTORY_COLUMNS, Role, Statement, history_row, notify_lanes
+from .common import HISTORY_COLUMNS, Role, Statement, count_history, history_row, notify_lanes
 
 # Columns of JobSummary (job.py), in this order: no payload, the error cut short.
 # last_error holds every attempt's error, oldest first (claim.py): the list shows its newest
@@ -139,7 +139,8 @@ class BrowseStatements(Role):
             " DELETE FROM {s}.jobs WHERE {where} RETURNING *),"
             " moved AS (INSERT INTO {s}.jobs_history ({h})"
             " SELECT " + history_row("cancelled") +
-            " FROM cancelled RETURNING 1)"
+            " FROM cancelled RETURNING queue, status),"
+            " counted AS (" + count_history("moved") + ")"
             " SELECT count(*) FROM moved"
         ).format(s=sql.Identifier(self.schema),
                  h=sql.SQL(HISTORY_COLUMNS),

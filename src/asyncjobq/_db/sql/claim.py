@@ -14,6 +14,7 @@ from .common import (
     Role,
     Statement,
     _q,
+    count_history,
     history_row,
     notify_lanes,
 )
@@ -404,7 +405,8 @@ class WorkerStatements(Role):
         " archived AS ("
         "  INSERT INTO {s}.jobs_history ({h})"
         " SELECT " + history_row("done") +
-        "  FROM finished RETURNING id),"
+        "  FROM finished RETURNING id, queue, status),"
+        " counted AS (" + count_history("archived") + "),"
         " updated AS ("
         "  UPDATE {s}.jobs j SET"
         "    status = CASE WHEN m.kind = 'failed' THEN 'failed'"

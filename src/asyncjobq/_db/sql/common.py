@@ -33,6 +33,18 @@ def history_row(status: str) -> str:
             " dedup_key, locked_by, last_error, created_at, now(), key")
 
 
+def count_history(rows: str) -> str:
+    """The body of a data-modifying CTE that adds the rows of `rows` (queue and status columns:
+    the rows this statement inserted into jobs_history) to history_counts, in this backend's
+    shard and in key order, as the trigger did before 0010_history_counted.sql (two writers
+    lock their rows in one order: no deadlock). Every statement that inserts into
+    jobs_history includes it."""
+    return ("INSERT INTO {s}.history_counts AS c (queue, status, shard, n)"
+            " SELECT queue, status, 1 + mod(pg_backend_pid(), 64), count(*)"
+            f" FROM {rows} GROUP BY queue, status ORDER BY queue, status"
+            " ON CONFLICT (queue, status, shard) DO UPDATE SET n = c.n + excluded.n")
+
+
 # Sessions of this database holding the xmin horizon back, and since when: one with a
 # transaction id since its transaction began; one with only a snapshot, since its transaction
 # began when idle in it (REPEATABLE READ keeps its snapshot) and since its statement began while

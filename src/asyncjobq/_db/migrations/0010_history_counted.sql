@@ -1,0 +1,11 @@
+-- asyncjobq schema, version 10: the statements that write history count it themselves.
+-- history_counts (0003_history_counts.sql) was kept by statement triggers on jobs_history. The
+-- INSERT one ran for every completion statement: a PL/pgSQL call, its transition table and an
+-- upsert through SPI, about a tenth of the server's CPU per job in a drain
+-- (docs/how-it-works/history.md). The three statements that insert into jobs_history --
+-- completion, cancel, cancel of many (src/asyncjobq/_db/sql/common.py, count_history) -- now
+-- add their rows to history_counts in the same statement, in the same shard and key order the
+-- trigger used. The DELETE, UPDATE and TRUNCATE triggers stay: the pruner, and an operator's
+-- change by hand, are still counted by them. A row inserted into jobs_history by hand is not
+-- counted: `doctor` finds the drift and gives the recount.
+DROP TRIGGER history_counts_insert ON jobs_history;
