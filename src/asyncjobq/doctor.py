@@ -168,7 +168,9 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
                        "(queue, status): " + ", ".join(
                            f"{q}/{s} says {c} where history holds {h}"
                            for q, s, c, h in drift[:5]) + (", ..." if len(drift) > 5 else "")
-                       + " (rows written with triggers disabled, or a data-only restore)",
+                       + " (rows written with triggers disabled, a data-only restore, rows"
+                       " inserted by hand, or completed by workers of a release before schema"
+                       " version 10 after the upgrade)",
                        "recount them (writers of history wait a second per 10 million rows): "
                        + st.history_counts_recount.as_string(conn))
         else:
