@@ -9,6 +9,8 @@ Phases: `--warm` seconds clean, `--pin` seconds under pressure, `--after` second
 Pressure `idle`: a transaction that wrote a row (to a table of its own) and then sits idle.
 `readers`: 4 REPEATABLE READ sessions, each holding its snapshot for 30 s over a scan of
 jobs_history, started 7.5 s apart and renewed, so that a snapshot is always open.
+`scanners`: the same sessions and scans at READ COMMITTED (a control: the scans without the
+horizon held between them).
 
 Claim time is what the workers' claim statements took, timed around the statement in each
 worker process (the fetcher's claims and the completer's flushes that carry one); the
@@ -89,6 +91,16 @@ def _time_claims(path: str) -> None:
 
 if os.environ.get(TIMINGS_ENV):
     _time_claims(os.environ[TIMINGS_ENV])
+
+NO_VACUUM_ENV = "ASYNCJOBQ_PINNED_NO_LEADER_VACUUM"
+if os.environ.get(NO_VACUUM_ENV):
+    # --no-leader-vacuum: the workers' leader never vacuums jobs (autovacuum still may).
+    from asyncjobq._maintenance.vacuum import HotTableVacuum
+
+    async def _no_vacuum(self: HotTableVacuum) -> bool:
+        return False
+
+    HotTableVacuum.turn = _no_vacuum  # type: ignore[method-assign]
 
 
 # `jobs` and, were it partitioned, its partitions.
@@ -176,7 +188,10 @@ class Run:
         await asyncio.sleep(delay)
         async with await psycopg.AsyncConnection.connect(self.dsn) as c:
             while not self.stop_pin.is_set():
-                await c.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                # `scanners`: the same scans at READ COMMITTED, holding no snapshot between
+                # them: the scans' own cost, without a horizon held for 30 s.
+                await c.execute("BEGIN ISOLATION LEVEL " + (
+                    "READ COMMITTED" if self.a.pressure == "scanners" else "REPEATABLE READ"))
                 await c.execute(sql.SQL("SELECT count(*) FROM {}.jobs_history").format(
                     sql.Identifier(SCHEMA)))
                 try:
@@ -187,7 +202,8 @@ class Run:
 
     async def run(self) -> None:
         a = self.a
-        env = {**os.environ, DSN_ENV: self.dsn, TIMINGS_ENV: str(self.timings)}
+        env = {**os.environ, DSN_ENV: self.dsn, TIMINGS_ENV: str(self.timings),
+               **({NO_VACUUM_ENV: "1"} if a.no_leader_vacuum else {})}
         self.timings.unlink(missing_ok=True)
         async with self.q:
             async with self.q.connection() as conn:
@@ -313,7 +329,7 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", type=int, default=1000)
-    p.add_argument("--pressure", choices=["idle", "readers"], default="idle")
+    p.add_argument("--pressure", choices=["idle", "readers", "scanners"], default="idle")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=20)
     p.add_argument("--batch", type=int, default=10)
@@ -322,6 +338,8 @@ def main() -> None:
     p.add_argument("--after", type=float, default=20)
     p.add_argument("--window", type=float, default=5)
     p.add_argument("--label", default="")
+    p.add_argument("--no-leader-vacuum", action="store_true",
+                   help="the workers' leader does not vacuum jobs (autovacuum still may)")
     p.add_argument("--history", action="store_true",
                    help="also sample history's size, the read calls' times, and prune at the "
                         "pin's end")

@@ -16,6 +16,7 @@ from psycopg.conninfo import make_conninfo
 
 from asyncjobq import ConfigurationError, Job, Queue
 from asyncjobq._db import migrations
+from asyncjobq._maintenance import vacuum as vacuum_module
 from asyncjobq._maintenance.services import ServiceRunner
 from asyncjobq._maintenance.vacuum import HotTableVacuum
 from asyncjobq.doctor import PROBLEM, Report, diagnose
@@ -284,10 +285,12 @@ async def test_a_stop_mid_vacuum_leaves_the_vacuum_lock_free(queue: Queue, pg_ds
 
 
 async def test_the_vacuum_waits_while_the_horizon_has_not_moved(
-        queue: Queue, pg_dsn: str) -> None:
+        queue: Queue, pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a pinned xmin horizon a VACUUM removes nothing and only reads the growing table:
     once one has run since the horizon last moved, the leader's vacuum skips its turns, and
     vacuums again once the transaction holding it ends."""
+    # Not long enough for the leader to leave the table to autovacuum (the next test).
+    monkeypatch.setattr(vacuum_module, "HELD_LONG", 3600.0)
     pin = psycopg.connect(pg_dsn)
     pin.execute("CREATE TEMP TABLE pin (x int)")
     pin.execute("INSERT INTO pin VALUES (1)")  # a writing transaction, left open
@@ -309,3 +312,34 @@ async def test_the_vacuum_waits_while_the_horizon_has_not_moved(
     finally:
         pin.close()
     await wait_for(vacuum.turn, 10, what="a vacuum once the horizon moved on")
+
+
+async def test_the_vacuum_is_left_to_autovacuum_while_a_session_holds_the_horizon_long(
+        queue: Queue, pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session holding the horizon for long (readers at REPEATABLE READ taking turns move
+    it now and then): the leader's vacuum would read the grown table beside the claims for
+    the few rows older than it. It is deferred, the first time too, until that session
+    ends."""
+    monkeypatch.setattr(vacuum_module, "HELD_LONG", 0.5)
+    reader = psycopg.connect(pg_dsn, autocommit=True)  # the BEGIN below is its own
+    reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    reader.execute("SELECT 1")  # its snapshot, held while the transaction stays open
+    vacuum = HotTableVacuum(queue.database, interval=0.05)
+    try:
+        await queue.enqueue_many("t", [{"i": i} for i in range(3000)])
+        await execute(queue, "DELETE FROM {s}.jobs")
+        pid = reader.info.backend_pid
+        await wait_for(lambda: fetchval(
+            queue, "SELECT now() - xact_start > interval '0.6 s' FROM pg_stat_activity"
+                   " WHERE pid = %s", pid), 10, what="the reader's snapshot held long")
+
+        async def deferred() -> bool:
+            await execute(queue, "SELECT pg_stat_force_next_flush()")
+            return await vacuum.turn() is False and vacuum.deferred >= 1
+
+        await wait_for(deferred, 10, what="the vacuum deferred")
+        assert vacuum.vacuums == 0 and vacuum.held_back == 0
+    finally:
+        reader.close()
+    await wait_for(vacuum.turn, 10, what="a vacuum once the session ended")
+    assert vacuum.vacuums == 1

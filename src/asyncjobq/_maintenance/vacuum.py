@@ -34,6 +34,14 @@ MIN_DEAD = 1000
 DEAD_FRACTION = 0.05
 # How long a stopped turn may take to release the lock (it delays the worker's stop).
 RELEASE_TIMEOUT = 5.0
+# While a session has held the xmin horizon for over HELD_LONG seconds (a long report, readers
+# at REPEATABLE READ taking turns), the leader leaves the table to autovacuum: each vacuum
+# reads the whole table and its indexes, grown by the pin, to remove only the rows older than
+# that session, and beside it the claims slowed. With 4 readers at 2,000 jobs/s the claim p99
+# was 4.8x its unpinned value with the leader's vacuums, 5.2x with one a minute, 5.2x without
+# their heap truncation, 1.2x without them (benchmarks/results/PINNED.md). The claims do not
+# need it meanwhile: they start from floors (_worker/floors.py).
+HELD_LONG = 10.0
 
 
 class HotTableVacuum(Service):
@@ -48,6 +56,7 @@ class HotTableVacuum(Service):
         self.vacuums = 0
         self.disabled = False
         self.held_back = 0  # turns skipped because the xmin horizon had not moved
+        self.deferred = 0  # turns left to autovacuum: a session has held the horizon long
         self._began: object = None  # the server's clock as this leader's last vacuum began
 
     async def turn(self) -> bool:
@@ -61,7 +70,7 @@ class HotTableVacuum(Service):
                 if row is None:
                     return False
                 dead, live, since, may_vacuum = int(row[0]), int(row[1]), row[2], bool(row[3])
-                now, held = row[4], bool(row[5])
+                now, held, held_for = row[4], bool(row[5]), row[6]
                 if not may_vacuum:
                     log.info("this role does not own %s.jobs, so it cannot vacuum it: leaving "
                              "that to autovacuum (run workers as the owner for a faster claim)",
@@ -76,6 +85,9 @@ class HotTableVacuum(Service):
                     # The horizon has not moved since this leader's last vacuum began: this one
                     # would remove nothing (docs/operations/xmin.md). Checked every turn.
                     self.held_back += 1
+                    return False
+                if held_for is not None and float(held_for) > HELD_LONG:
+                    self.deferred += 1
                     return False
                 pid = conn.info.backend_pid
                 may_hold = True  # from the moment the lock is asked for: its reply may be lost

@@ -185,7 +185,7 @@ class MaintenanceStatements(Role):
     @cached_property
     def job_table_dead_tuples(self) -> Statement:
         # Only the owner (or a superuser) may vacuum: say so rather than try and be refused.
-        # The last two columns: the server's clock, and whether a session of this database has
+        # Then: the server's clock, and whether a session of this database has
         # held the xmin horizon since %(since)s, when the leader's last vacuum began (NULL: no
         # such vacuum known). That vacuum could remove no row deleted after it began, and
         # neither can the next: it would only read the table, which grows while the horizon
@@ -195,7 +195,10 @@ class MaintenanceStatements(Role):
             "  extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum)),"
             "  pg_has_role(c.relowner, 'USAGE'), now(),"
             "  coalesce((SELECT min(h.since) FROM (" + HORIZON_HOLDERS + ") h)"
-            "   < %(since)s::timestamptz, false)"
+            "   < %(since)s::timestamptz, false),"
+            # How long the oldest session holding the horizon now has held it (NULL: none).
+            "  extract(epoch FROM now() - (SELECT min(h.since) FROM (" + HORIZON_HOLDERS
+            + ") h))"
             " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid"
             " WHERE c.oid = to_regclass({})"
         ).format(sql.Literal(f'"{self.schema}".jobs'))
