@@ -194,12 +194,11 @@ class MaintenanceStatements(Role):
             "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),"
             "  extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum)),"
             "  pg_has_role(c.relowner, 'USAGE'), now(),"
-            "  coalesce((SELECT min(h.since) FROM (" + HORIZON_HOLDERS + ") h)"
-            "   < %(since)s::timestamptz, false),"
+            "  coalesce(o.since < %(since)s::timestamptz, false),"
             # How long the oldest session holding the horizon now has held it (NULL: none).
-            "  extract(epoch FROM now() - (SELECT min(h.since) FROM (" + HORIZON_HOLDERS
-            + ") h))"
-            " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid"
+            "  extract(epoch FROM now() - o.since)"
+            " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid,"
+            "  (SELECT min(h.since) AS since FROM (" + HORIZON_HOLDERS + ") h) o"
             " WHERE c.oid = to_regclass({})"
         ).format(sql.Literal(f'"{self.schema}".jobs'))
 
