@@ -321,8 +321,9 @@ class Worker:
             services.start_soon(completer.run)
             services.start_soon(heartbeat.tick)
             services.start_soon(runner.run)
-            services.start_soon(fetcher.watch_horizon)
             if self.listen:
+                # Floors need notifications: a worker that polls never claims from them.
+                services.start_soon(fetcher.watch_horizon)
                 self.listener = Listener(
                     self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.listening,
                     on_disconnect=fetcher.deaf,
