@@ -14,6 +14,9 @@ per statement, finished rows moved to a history table), without its workers:
   partition that will be the next period's: under `lock_timeout`, `LOCK ... ACCESS EXCLUSIVE`,
   give up while it holds a running job, move its queued rows to the current generation, then
   TRUNCATE. Dead versions leave with the file; no vacuum is needed.
+- `direct`: as `rotated`, but the claim and the completion name one partition (`jobs_<gen>`),
+  the older generations first, a generation found empty tried again after a second.
+- `hybrid`: as `rotated`, the completion addressed as in `direct`.
 
 Pressure as `benchmarks/pinned.py`'s `idle`: a transaction that wrote a row to a table of its
 own sits idle for `--pin` seconds. Figures per phase: finished jobs/s against offered, backlog,
@@ -75,7 +78,14 @@ CREATE TABLE {S}.jobs (id bigint NOT NULL DEFAULT nextval('{S}.jobs_id_seq'),
 CREATE INDEX jobs_id_idx ON {S}.jobs (id);""" + INDEXES
 
 
-def claim_sql(layout: str) -> str:
+def claim_sql(layout: str, gen: int | None = None) -> str:
+    if gen is not None:   # "direct": one generation's partition, by its name
+        return f"""
+WITH c AS (SELECT id FROM {S}.jobs_{gen} WHERE queue = 'default' AND status = 'queued'
+             AND run_at <= now() ORDER BY priority DESC, run_at, id LIMIT %s
+             FOR NO KEY UPDATE SKIP LOCKED)
+UPDATE {S}.jobs_{gen} j SET status = 'running', locked_at = now(), attempts = attempts + 1
+  FROM c WHERE j.id = c.id RETURNING j.id, {gen}"""
     key = "id" if layout == "plain" else "id, gen"
     match = "j.id = c.id" if layout == "plain" else "j.id = c.id AND j.gen = c.gen"
     return f"""
@@ -86,7 +96,12 @@ UPDATE {S}.jobs j SET status = 'running', locked_at = now(), attempts = attempts
   FROM c WHERE {match} RETURNING j.{key.replace(', ', ', j.')}"""
 
 
-def complete_sql(layout: str) -> str:
+def complete_sql(layout: str, gen: int | None = None) -> str:
+    if gen is not None:
+        return f"""
+WITH d AS (DELETE FROM {S}.jobs_{gen} WHERE id = ANY(%s) AND status = 'running'
+           RETURNING id, queue, task, payload)
+INSERT INTO {S}.history SELECT id, queue, task, payload, now() FROM d"""
     gens = "" if layout == "plain" else " AND gen = ANY(%s)"
     return f"""
 WITH d AS (DELETE FROM {S}.jobs WHERE id = ANY(%s){gens} AND status = 'running'
@@ -130,8 +145,44 @@ class Study:
                 if delay > 0:
                     await asyncio.sleep(delay)
 
+    async def direct_claimer(self, until_empty: bool = False) -> None:
+        """Claims from one generation's partition at a time, the older first; a
+        generation found empty is tried again only after a second (the current
+        one always)."""
+        claims = {g: claim_sql("direct", g) for g in range(3)}
+        completes = {g: complete_sql("direct", g) for g in range(3)}
+        empty_at = {g: -1e9 for g in range(3)}
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
+            while not self.stop.is_set():
+                cur = int(time.time() // self.a.period) % 3
+                order = [(cur + 1) % 3, (cur + 2) % 3, cur]   # oldest first
+                rows: list[Any] = []
+                t0 = time.monotonic()
+                for g in order:
+                    if g != cur and t0 - empty_at[g] < 1.0:
+                        continue
+                    got = await (await c.execute(claims[g], (self.a.batch - len(rows),))
+                                 ).fetchall()
+                    if not got:
+                        empty_at[g] = t0
+                    rows += got
+                    if len(rows) >= self.a.batch:
+                        break
+                t1 = time.monotonic()
+                self.claims.append((time.time(), t1 - t0))
+                if not rows:
+                    if until_empty and all(t0 - e < 1.0 for e in empty_at.values()):
+                        return
+                    await asyncio.sleep(0.01)
+                    continue
+                for g in {r[1] for r in rows}:
+                    await c.execute(completes[g], ([r[0] for r in rows if r[1] == g],))
+                self.done += len(rows)
+
     async def claimer(self, until_empty: bool = False) -> None:
         layout = self.a.layout
+        if layout == "direct":
+            return await self.direct_claimer(until_empty)
         claim, complete = claim_sql(layout), complete_sql(layout)
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
             while not self.stop.is_set():
@@ -143,6 +194,12 @@ class Study:
                     if until_empty:
                         return
                     await asyncio.sleep(0.01)
+                    continue
+                if layout == "hybrid":   # claimed through the parent, completed directly
+                    for g in {r[1] for r in rows}:
+                        await c.execute(complete_sql("direct", g),
+                                        ([r[0] for r in rows if r[1] == g],))
+                    self.done += len(rows)
                     continue
                 params: tuple[Any, ...] = ([r[0] for r in rows],)
                 if layout == "rotated":
@@ -206,7 +263,7 @@ SELECT id, {S}.gen_now(), queue, task, payload, status, priority, run_at, attemp
             await c.execute(setup_sql(a.layout, a.period))
             tasks = [asyncio.create_task(self.produce())]
             tasks += [asyncio.create_task(self.claimer()) for _ in range(a.claimers)]
-            if a.layout == "rotated":
+            if a.layout != "plain":
                 tasks.append(asyncio.create_task(self.rotator()))
             pin: asyncio.Task[None] | None = None
             t0 = time.monotonic()
@@ -273,7 +330,7 @@ SELECT id, {S}.gen_now(), queue, task, payload, status, priority, run_at, attemp
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layout", choices=["plain", "rotated"], required=True)
+    p.add_argument("--layout", choices=["plain", "rotated", "direct", "hybrid"], required=True)
     p.add_argument("--rate", type=int, default=2000)
     p.add_argument("--claimers", type=int, default=4)
     p.add_argument("--batch", type=int, default=10)
