@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -37,6 +38,7 @@ def start_pgserver(pgdata: Path, cleanup_mode: str | None = "stop") -> Any:
         from pgserver.postgres_server import PostgresServer
 
     pgdata.mkdir(parents=True, exist_ok=True)
+    _ensure_system_user()
     for attempt in range(3):
         try:
             return pgserver.get_server(pgdata, cleanup_mode=cleanup_mode)  # type: ignore[attr-defined]
@@ -48,6 +50,32 @@ def start_pgserver(pgdata: Path, cleanup_mode: str | None = "stop") -> Any:
                 raise
             time.sleep(1.0)
     raise AssertionError("unreachable")
+
+
+def _ensure_system_user() -> None:
+    """As root, pgserver runs PostgreSQL as a system user it adds with `useradd` on first
+    use. Processes starting servers at once on a fresh machine (test workers, two workers)
+    each ran useradd, and an initdb then failed ("could not look up effective user ID"): the
+    first creates it under a file lock, the others find it."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return
+    import fcntl
+    import pwd
+
+    from pgserver.utils import ensure_user_exists
+
+    try:
+        pwd.getpwnam("pgserver")
+        return
+    except KeyError:
+        pass
+    lock = Path(tempfile.gettempdir()) / "asyncjobq-pgserver-user.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            ensure_user_exists("pgserver")
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def embedded_dsn(*, notice: bool = True) -> str:
