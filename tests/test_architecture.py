@@ -17,7 +17,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                "asyncjobq.hooks", "asyncjobq.schedule", "asyncjobq.retention")),
     ("database access", ("asyncjobq._db",)),
     ("worker machinery", ("asyncjobq._worker",)),
-    ("maintenance services", ("asyncjobq._maintenance",)),
+    # _waiting: Queue.wait's listener, a service of the public API beside the maintenance ones.
+    ("maintenance services", ("asyncjobq._maintenance", "asyncjobq._waiting")),
     # Prometheus and OpenTelemetry: they watch jobs through the hooks and middleware and are
     # handed a Queue (never importing it), so that Queue and Worker can use them.
     ("integrations", ("asyncjobq.metrics", "asyncjobq.tracing")),

@@ -229,14 +229,21 @@ async def test_cancel_queued_job_then_again_fails(queue: Queue, pg_dsn: str) -> 
     assert_clean_error(unknown, 1, "job 987654321", "not queued")
 
 
-async def test_cancel_running_job_is_refused(queue: Queue, pg_dsn: str) -> None:
+async def test_cancel_of_a_running_job_is_asked_of_its_worker(queue: Queue, pg_dsn: str) -> None:
     job_id = await queue.enqueue("t", {})
     await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1, locked_by = 'w',"
                          " locked_at = now() WHERE id = %s", job_id)
     r = cli(queue.schema, "cancel", str(job_id), dsn=pg_dsn)
-    assert_clean_error(r, 1, "not queued")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"cancel of running job {job_id} requested")
     info = await queue.get(job_id)
-    assert info is not None and info.status == "running"
+    assert info is not None and info.status == "running" and info.cancel_requested
+    r = cli(queue.schema, "get", str(job_id), dsn=pg_dsn)
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    assert (shown["id"], shown["status"], shown["cancel_requested"]) == (job_id, "running", True)
+    r = cli(queue.schema, "get", "99999999", dsn=pg_dsn)
+    assert_clean_error(r, 1, "not found")
 
 
 # --- retry-failed ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ auth, CSRF, read-only mode, keyset pages, bad input, actions, the CLI command.""
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import socket
@@ -734,7 +735,9 @@ async def test_migration_0008_does_not_deadlock_with_a_completion(queue: Queue,
 
         await wait_for(install_waits, timeout=20, interval=0.05, what="the install to wait")
         # The completion's INSERT into history (with another DELETE, as a cancel does).
-        await completion.execute(queue.sql.job_cancel, (second,))
+        await completion.execute(queue.sql.job_cancel, {
+            "id": second, "done": queue.database.done_channel,
+            "cancel": queue.database.cancel_channel})
         await completion.commit()
         assert await asyncio.wait_for(install, timeout=30) == [8]
     left = await fetchval(queue, "SELECT array_agg(indexname::text ORDER BY indexname)"
@@ -769,3 +772,29 @@ async def test_a_bulk_action_touches_no_more_jobs_than_its_preview_counted(
     with pytest.raises(ValueError, match="limit"):
         await queue.cancel_queued(limit=0)
     assert int(await queue.retry_failed(limit=1)) == 1
+
+
+async def test_the_job_page_shows_result_and_progress_and_cancels_a_running_job(
+        queue: Queue) -> None:
+    done = await queue.enqueue("t.a", {})
+    await execute(queue, "WITH d AS (DELETE FROM {s}.jobs WHERE id = %s RETURNING *)"
+                         " INSERT INTO {s}.jobs_history (id, queue, task, payload, status,"
+                         " priority, run_at, attempts, max_attempts, created_at, finished_at,"
+                         " result) SELECT id, queue, task, payload, 'done', priority, run_at, 1,"
+                         " max_attempts, created_at, now(), %s::jsonb FROM d",
+                  done, json.dumps({"html": HOSTILE}))
+    run = await queue.enqueue("t.a", {})
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1, locked_by = 'w',"
+                         " locked_at = now(), progress = %s::jsonb WHERE id = %s",
+                  json.dumps({"step": HOSTILE_ERROR}), run)
+    async with client(create_app(queue)) as c:
+        page = (await c.get(f"/jobs/{done}")).text
+        assert "Result" in page and HOSTILE not in page and "&lt;script&gt;" in page
+        page = (await c.get(f"/jobs/{run}")).text
+        assert HOSTILE_ERROR not in page and "&lt;img src=x" in page  # the progress, escaped
+        r = await c.post(f"/jobs/{run}/cancel", data={"csrf_token": token_in(page)})
+        assert r.headers["location"] == f"/jobs/{run}?note=cancel-requested"
+        page = (await c.get(r.headers["location"])).text
+        assert "Cancel requested" in page and "requested: its worker stops" in page
+    info = await queue.get(run)
+    assert info is not None and info.status == "running" and info.cancel_requested

@@ -6,6 +6,7 @@ Mistakes exit 2 (usage) or 1 (runtime) with one line on stderr that says what to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import ipaddress
@@ -16,6 +17,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -559,11 +561,33 @@ def retry_failed(queue: str | None, task: str | None, error_like: str | None, as
 @_db_options
 @_guard
 def cancel(job_id: int, dsn: str | None, schema: str) -> None:
-    """Cancel a queued job."""
-    ok = _with_queue(dsn, schema, lambda q: q.cancel(job_id))
+    """Cancel a job: a queued one now, a running one by its worker (within a second)."""
+    async def run(q: Queue) -> tuple[bool, Any]:
+        return await q.cancel(job_id), await q.get(job_id)
+
+    ok, info = _with_queue(dsn, schema, run)
     if not ok:
-        _fail(f"job {job_id} is not queued (unknown, running or finished): nothing cancelled")
-    click.echo(f"cancelled job {job_id}")
+        _fail(f"job {job_id} is not queued or running (unknown or finished): nothing cancelled")
+    if info is not None and info.status == "running":
+        click.echo(f"cancel of running job {job_id} requested: its worker stops the handler and "
+                   "writes cancelled (`get` shows it)")
+    else:
+        click.echo(f"cancelled job {job_id}")
+
+
+@main.command()
+@click.argument("job_id", metavar="ID", type=click.IntRange(min=1))
+@_db_options
+@_guard
+def get(job_id: int, dsn: str | None, schema: str) -> None:
+    """Show a job as JSON: status, attempts, errors, result and progress."""
+    info = _with_queue(dsn, schema, lambda q: q.get(job_id))
+    if info is None:
+        _fail(f"job {job_id} not found: it never existed, or it finished longer ago than the "
+              "queue's retention and was pruned")
+    fields = dataclasses.asdict(info)
+    click.echo(json.dumps({k: _iso(v) if isinstance(v, datetime) else v
+                           for k, v in fields.items()}, indent=2))
 
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AsyncJobQError(Exception):
     """Base class of every error asyncjobq raises on purpose."""
@@ -73,6 +75,45 @@ class RetryRaceError(AsyncJobQError):
 
 class AppImportError(AsyncJobQError):
     """The worker's APP (module:attribute) cannot be imported or is not a Queue."""
+
+
+class JobNotFoundError(AsyncJobQError, LookupError):
+    """No job has this id: it never existed, or its history was pruned (retention)."""
+
+    def __init__(self, job_id: int) -> None:
+        super().__init__(f"job {job_id} not found: it never existed, or it finished longer ago "
+                         "than the queue's retention and was pruned; check the id")
+        self.job_id = job_id
+
+
+class JobFailedError(AsyncJobQError):
+    """`Queue.result` of a job that was dead-lettered (status `failed`).
+
+    Attributes:
+        job: its JobInfo.
+        error: its last error (the newest attempt's line of `last_error`), or None.
+    """
+
+    def __init__(self, job: Any) -> None:
+        last = (job.last_error or "").splitlines()
+        self.job = job
+        self.error: str | None = last[-1] if last else None
+        super().__init__(f"job {job.id} ({job.task}) failed after {job.attempts} attempt(s): "
+                         f"{self.error or 'no error recorded'}; fix the cause and run "
+                         f"`retry {job.id}` (or Queue.retry) to run it again")
+
+
+class JobCancelledError(AsyncJobQError):
+    """`Queue.result` of a job that was cancelled.
+
+    Attributes:
+        job: its JobInfo.
+    """
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        super().__init__(f"job {job.id} ({job.task}) was cancelled; it has no result: "
+                         "enqueue it again to run it")
 
 
 def reason(e: BaseException) -> str:

@@ -3,9 +3,10 @@ handlers may raise."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 # Retry checks its delay as an enqueue does; both names stay importable from here, where the
 # worker machinery (_worker/outcome.py) takes them.
@@ -14,6 +15,19 @@ from ._checks import is_delay as is_delay
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 STATUSES: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cancelled")
+# The statuses after which nothing more happens to a job (Queue.wait returns).
+FINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
+# The largest progress value, as JSON text: progress is a small status, not a result.
+MAX_PROGRESS_BYTES = 8192
+
+
+class JobControl(Protocol):
+    """What a worker lends the jobs it runs (_worker/control.py): their cancel requests and
+    where their progress goes."""
+
+    def cancel_requested(self, job_id: int, attempt: int) -> bool: ...
+
+    def set_progress(self, job_id: int, attempt: int, value: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,43 @@ class Job:
     # The W3C trace context (traceparent, tracestate) of the enqueue that wrote the job, as
     # asyncjobq.tracing stored it; None when the producer did not trace.
     trace_context: dict[str, str] | None = field(default=None, compare=False, repr=False)
+    # The worker's, for cancel_requested and set_progress; None outside a worker.
+    control: JobControl | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once `Queue.cancel` asked for this attempt to stop. An `async` handler is
+        cancelled (it gets `asyncio.CancelledError`); a sync one cannot be interrupted and
+        should read this between steps and return early. Either way the job ends
+        `cancelled`, not retried."""
+        c = self.control
+        return c is not None and c.cancel_requested(self.id, self.attempt)
+
+    async def set_progress(self, value: Any) -> None:
+        """Store a small JSON value (a number, a dict...) as this job's progress, shown by
+        `Queue.get`, the CLI's `get` and the dashboard. Writes are coalesced: the last value
+        of each second is written, so calling it in a tight loop costs nothing. Outside a
+        worker (`asyncjobq.testing.perform`) it only checks the value."""
+        self.set_progress_nowait(value)
+
+    def set_progress_nowait(self, value: Any) -> None:
+        """`set_progress` for sync handlers (any thread)."""
+        try:
+            text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            from .errors import ConfigurationError
+            raise ConfigurationError(
+                f"set_progress({type(value).__name__}): not JSON ({e}); pass a number, a "
+                "string, or a dict or list of those") from None
+        if len(text.encode()) > MAX_PROGRESS_BYTES:
+            from .errors import ConfigurationError
+            raise ConfigurationError(
+                f"set_progress(): {len(text.encode())} bytes of JSON, over "
+                f"{MAX_PROGRESS_BYTES}: progress is a small status (a percentage, a step); "
+                "return large values as the job's result")
+        c = self.control
+        if c is not None:
+            c.set_progress(self.id, self.attempt, text)
 
 
 @dataclass(frozen=True)
@@ -91,11 +142,23 @@ class JobInfo(JobSummary):
         finished_at: when it was done, cancelled or dead-lettered; None before.
         payload: the JSON object it was enqueued with.
         key: its flow-control key (`enqueue(key=...)`), or None.
+        result: what its handler returned (JSON), once it is done; None before, and when
+            the handler returned None.
+        progress: the last value its handler passed to `job.set_progress`, or None.
+        cancel_requested: True while a running job's cancel is on its way to its worker.
     """
 
     # id ... finished_at: JobSummary's, in the order the statements select them.
     payload: dict[str, Any]
     key: str | None = None  # enqueue(key=...), see Queue.task(key_limit=)
+    result: Any = None
+    progress: Any = None
+    cancel_requested: bool = False
+
+    @property
+    def is_final(self) -> bool:
+        """done, failed (dead-lettered) or cancelled: nothing more will happen to it."""
+        return self.status in FINAL_STATUSES
 
 
 class RetryResult(int):

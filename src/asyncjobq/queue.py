@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -36,6 +37,7 @@ from ._checks import (
     encode_payload,
     encode_payload_array,
     int_between,
+    is_number,
     is_positive,
     parse_rate,
 )
@@ -52,10 +54,13 @@ from ._maintenance.periodic import (
     timezone_of,
 )
 from ._maintenance.pruner import DEFAULT_RETENTION, prune_failed, prune_history
+from ._waiting import Waiter
 from .errors import (
     AsyncJobQError,
     ConfigurationError,
     InvalidPayloadError,
+    JobCancelledError,
+    JobFailedError,
     QueueClosedError,
     RetryRaceError,
     reason,
@@ -105,8 +110,16 @@ class Queue:
         application_name: str = "asyncjobq",
         retention: Age = DEFAULT_RETENTION,
         queue_retention: Mapping[str, Age] | None = None,
+        max_result_bytes: int = 1_000_000,
     ) -> None:
         schema = validate_schema(schema)
+        if not int_between(max_result_bytes, 0, 2**30):
+            raise ConfigurationError(f"max_result_bytes={max_result_bytes!r}: use a number of "
+                                     "bytes from 0 to 1 GiB, e.g. 1_000_000 (a handler's "
+                                     "return value over it dead-letters its job)")
+        # The largest handler return value stored as a job's result, as JSON text.
+        self.max_result_bytes = int(max_result_bytes)
+        self._waiter: Waiter | None = None
         # How long done/cancelled jobs stay queryable in history; workers prune past it.
         self.retention = Retention.of(retention, queue_retention)
         if not is_positive(connect_timeout):
@@ -438,6 +451,10 @@ class Queue:
         if self._inserter is not None:
             await self._inserter.drain()
         self._inserter = None
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            with contextlib.suppress(RuntimeError):  # made on another, now closed, loop
+                await waiter.close()
         await self.hooks.settle(timeout=self.hooks.timeout)  # on_enqueued calls still running
         await self._db.close()
 
@@ -834,11 +851,58 @@ class Queue:
             return {str(q): at for q, at in await cur.fetchall()}
 
     async def cancel(self, job_id: int) -> bool:
-        """Cancel a queued job; False if it is not queued (running, finished or unknown)."""
+        """Cancel a job. A queued one is cancelled now; a running one is asked to stop: its
+        worker hears of it within a second (a notification; its heartbeat's reply as the
+        fallback), cancels the handler (an `async` one gets `asyncio.CancelledError`, a sync
+        one sees `job.cancel_requested`) and writes `cancelled`; a handler that returned
+        first keeps its outcome. A running job whose worker died is cancelled when the
+        reaper takes it. No retry follows a cancel. True when the job was queued or running;
+        False when it is finished (done, failed, cancelled) or unknown."""
         check_int("job_id", job_id, bits=64)
-        async with self._conn(None) as c:
-            cur = await c.execute(self.sql.job_cancel, (job_id,))
-            return await cur.fetchone() is not None
+        params = {"id": job_id, "done": self._db.done_channel,
+                  "cancel": self._db.cancel_channel}
+        for _ in range(10):
+            async with self._conn(None) as c:
+                cur = await c.execute(self.sql.job_cancel, params)
+                if [r for r in await cur.fetchall() if r[0] is not None]:
+                    return True
+                # Neither: finished, unknown, or claimed while the statement looked (its
+                # snapshot saw it queued, its DELETE found it running): look again.
+                cur = await c.execute(self.sql.job_get_by_id, {"id": job_id})
+                row = await cur.fetchone()
+            if row is None or JobInfo(*row).is_final:
+                return False
+        return False
+
+    async def wait(self, job_id: int, *, timeout: float | None = None) -> JobInfo:
+        """Wait until the job is final (done, failed, i.e. dead-lettered, or cancelled) and
+        return it; its `result` is what the handler returned. An attempt that will be retried
+        is not final. Woken by a notification when the job finishes; however many waits, a
+        process listens on one connection of its own. A lost notification or a dropped
+        connection delays a wait by a few seconds at most (a periodic re-read), never forever.
+
+        Raises `TimeoutError` when `timeout` seconds pass first, `JobNotFoundError` for an id
+        that does not exist (never enqueued, or pruned from history)."""
+        check_int("job_id", job_id, bits=64)
+        if timeout is not None and (not is_number(timeout) or timeout < 0):
+            raise ConfigurationError(f"timeout={timeout!r}: use seconds >= 0, or None to wait "
+                                     "as long as it takes")
+        loop = asyncio.get_running_loop()
+        if self._waiter is None or self._waiter.loop is not loop:
+            self._waiter = Waiter(self._db)
+        async with asyncio.timeout(timeout):
+            return await self._waiter.wait(job_id)
+
+    async def result(self, job_id: int, *, timeout: float | None = None) -> Any:
+        """The job's result once it is done (`wait`, then its `result`). Raises
+        `JobFailedError` when it was dead-lettered (`.error`: its last error),
+        `JobCancelledError` when it was cancelled, and as `wait` does."""
+        info = await self.wait(job_id, timeout=timeout)
+        if info.status == "failed":
+            raise JobFailedError(info)
+        if info.status == "cancelled":
+            raise JobCancelledError(info)
+        return info.result
 
     # --- browsing (the dashboard's reads and actions; _db/sql/browse.py) -------------------
 
@@ -914,6 +978,7 @@ class Queue:
             params["max_id"] = max_id
         check_limit(limit)
         params["limit"] = limit
+        params["done"] = self._db.done_channel
         statement = self.sql.job_cancel_queued(queue=queue is not None, task=task is not None,
                                                max_id=max_id is not None,
                                                capped=limit is not None)

@@ -31,11 +31,12 @@ import anyio
 import psycopg
 
 from . import tracing
-from ._checks import encode_payload, is_int, storable_text
+from ._checks import encode_payload, is_int
 from ._db.dsn import check_dsn
 from ._db.sql import Statements, statements
 
 # The executor is the worker's own, not a copy: a test must see what a worker would do.
+from ._worker.completer import encode_outcomes
 from ._worker.executor import RunningJob, execute, finished
 from ._worker.outcome import Outcome as _Outcome
 from ._worker.threads import ThreadRunner
@@ -358,6 +359,8 @@ async def perform(q: Queue, task: str | Task, payload: Mapping[str, Any] | None 
     assert outcome is not None
     if outcome.kind == "done":
         return returned[0] if returned else None
+    if outcome.kind == "cancelled":  # nothing cancels a perform()
+        raise AssertionError("perform(): cancelled")
     kind: Kind = "snoozed" if outcome.kind == "snooze" else outcome.kind
     return Outcome(kind, outcome.error, outcome.delay)
 
@@ -368,7 +371,8 @@ async def _attempt(q: Queue, hooks: Any, job: Job, task: Task | None, thread_nam
     running = RunningJob(job, time.monotonic())
     outcome: _Outcome | None = None
     try:
-        outcome = await execute(running, task, q.tasks, runner, hooks if hooks.active else None)
+        outcome = await execute(running, task, q.tasks, runner, hooks if hooks.active else None,
+                                q.max_result_bytes)
     finally:
         runner.close()
         if hooks.on_finished:
@@ -438,9 +442,8 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
 
 
 async def _write(q: Queue, worker: str, o: _Outcome) -> None:
-    params = {"outcomes": json.dumps([[o.job_id, o.attempt, o.kind, o.delay,
-                                       storable_text(o.error)]]),
-              "worker": worker, "channel": q.channel}
+    params = {"outcomes": encode_outcomes([o]), "worker": worker, "channel": q.channel,
+              "done": q.database.done_channel}
     async with q.connection() as conn:
         await conn.execute(q.sql.job_set_outcome_if_running_many, params)
 

@@ -34,12 +34,14 @@ from ._maintenance.scheduler import Scheduler
 from ._maintenance.services import Service, ServiceRunner
 from ._maintenance.vacuum import HotTableVacuum
 from ._worker.completer import Completer
+from ._worker.control import Control
 from ._worker.executor import RunningJob, execute, finished
 from ._worker.fetcher import Fetcher
 from ._worker.heartbeat import Heartbeat
 from ._worker.listener import Listener
 from ._worker.misplaced import Mover
 from ._worker.outcome import Outcome
+from ._worker.progress import ProgressWriter
 from ._worker.running import Running
 from ._worker.threads import ThreadRunner
 from .errors import ConfigurationError, reason
@@ -245,8 +247,10 @@ class Worker:
         if traced is not None:
             self.queue.hooks.middleware = traced
             self.queue.hooks.active = True
+        self._progress = ProgressWriter(db, self.id)
+        self._control = Control(self._running, self._progress)
         fetcher = self.fetcher = Fetcher(
-            db, self.id, self.queues, batch_size=self.batch_size,
+            db, self.id, self.queues, batch_size=self.batch_size, control=self._control,
             concurrency=self.concurrency, poll_interval=self.poll_interval,
             free_slots=self._free_slots, dispatch=self._running.dispatch,
             keep=self._running.keep, claimed=self._claimed,
@@ -267,7 +271,8 @@ class Worker:
         heartbeat = self.heartbeat = Heartbeat(
             db, self.id, lease=self.lease, renew=self._running.leased,
             running_tasks=self._running.tasks, on_lost=self._running.lease_lost,
-            on_cut_off=self._running.cut_off)
+            on_cut_off=self._running.cut_off,
+            on_cancel=lambda keys: self._running.cancel_requested(keys=keys))
         self.pruner = Pruner(db, self.queue.retention, interval=self.prune_interval)
         self.vacuum = (HotTableVacuum(db, interval=self.vacuum_interval)
                        if self.vacuum_interval is not None else None)
@@ -321,13 +326,15 @@ class Worker:
             services.start_soon(completer.run)
             services.start_soon(heartbeat.tick)
             services.start_soon(runner.run)
+            services.start_soon(self._progress.run)
             if self.listen:
                 # Floors need notifications: a worker that polls never claims from them.
                 services.start_soon(fetcher.watch_horizon)
                 self.listener = Listener(
                     self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.listening,
                     on_disconnect=fetcher.deaf,
-                    application_name=f"{self.queue.application_name}-listen")
+                    application_name=f"{self.queue.application_name}-listen",
+                    also={self.queue.database.cancel_channel: self._control.cancel_notified})
                 services.start_soon(self.listener.run)
             try:
                 await self._fetch_then_shutdown(fetcher, completer)
@@ -413,7 +420,8 @@ class Worker:
                 await self._mover.move(job, self.queue.tasks[job.task])
             else:
                 outcome = await execute(running, self.queue.tasks.get(job.task),
-                                        self.queue.tasks, self._threads, hooks)
+                                        self.queue.tasks, self._threads, hooks,
+                                        self.queue.max_result_bytes)
         finally:
             if hooks is not None and hooks.on_finished and not misplaced:
                 hooks.spawn("on_finished", job=job, outcome=finished(outcome, running),

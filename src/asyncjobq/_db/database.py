@@ -128,6 +128,18 @@ class Database:
         return f"{self.schema}_jobs"
 
     @property
+    def done_channel(self) -> str:
+        """The channel on which statements that make a job final name the jobs a
+        `Queue.wait` looks for (0011_results.sql)."""
+        return f"{self.schema}_done"
+
+    @property
+    def cancel_channel(self) -> str:
+        """The channel on which `Queue.cancel` names running jobs whose cancel it asked for;
+        workers listen on it."""
+        return f"{self.schema}_cancel"
+
+    @property
     def dsn(self) -> str:
         """The DSN in use (resolved on first use: argument, $ASYNCJOBQ_DSN, embedded)."""
         if self._dsn is None:

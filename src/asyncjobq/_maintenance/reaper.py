@@ -18,6 +18,10 @@ log = logging.getLogger("asyncjobq.reaper")
 REAP_BATCH = 1000
 
 
+_REAPED_AS = {"queued": "requeued", "failed": "failed, no attempts left",
+              "cancelled": "cancelled, as asked while it ran"}
+
+
 class Reaper(Service):
     """A leader-only maintenance service (services.py)."""
 
@@ -58,12 +62,12 @@ class Reaper(Service):
                         return total  # another reaper is at it (two leaders for an instant)
                     cur = await conn.execute(
                         st.job_reap_stuck, {"lease": self._lease, "limit": REAP_BATCH,
-                                            "channel": self._db.channel})
-                    rows = await cur.fetchall()
-                for job_id, status, _queue, task, worker, _woken in rows:
+                                            "channel": self._db.channel,
+                                            "done": self._db.done_channel})
+                    rows = [r for r in await cur.fetchall() if r[0] is not None]
+                for job_id, status, _queue, task, worker in rows:
                     log.warning("job %s (%s): lease expired (worker %s stopped heartbeating); "
-                                "%s", job_id, task, worker, "requeued" if status == "queued"
-                                else "failed, no attempts left")
+                                "%s", job_id, task, worker, _REAPED_AS.get(status, status))
                 ids = [int(r[0]) for r in rows]
                 total.extend(ids)
                 self.reaped += len(rows)

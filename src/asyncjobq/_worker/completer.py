@@ -32,6 +32,21 @@ log = logging.getLogger("asyncjobq.completer")
 ROLE = "complete"
 
 
+def encode_outcomes(batch: list[Outcome]) -> str:
+    """[[id, attempt, kind, delay, error(, result)], ...]: the flush's one JSON parameter. A
+    result is JSON text already (executor.done checked it): spliced in, not decoded and
+    encoded again."""
+    # storable_text: a NUL or a lone surrogate in one exception's message would otherwise
+    # fail the whole flush, every time it is retried.
+    rows = [[o.job_id, o.attempt, o.kind, o.delay, storable_text(o.error)] for o in batch]
+    if all(o.result is None for o in batch):
+        return json.dumps(rows, separators=(",", ":"))
+    return "[" + ",".join(
+        json.dumps(r, separators=(",", ":"))[:-1] + "," + o.result + "]"
+        if o.result is not None else json.dumps(r, separators=(",", ":"))
+        for r, o in zip(rows, batch, strict=True)) + "]"
+
+
 class Completer:
     def __init__(
         self,
@@ -177,14 +192,11 @@ class Completer:
     async def _write(self, own: OwnConnection | None, batch: list[Outcome], *,
                      fold: bool) -> None:
         """Write `batch` (already taken off the buffer); on error it goes back to the buffer."""
-        # storable_text: a NUL or a lone surrogate in one exception's message would otherwise
-        # fail the whole flush, every time it is retried.
         params: dict[str, object] = {
-            "outcomes": json.dumps(
-                [[o.job_id, o.attempt, o.kind, o.delay, storable_text(o.error)] for o in batch],
-                separators=(",", ":")),
+            "outcomes": encode_outcomes(batch),
             "worker": self._worker_id,
             "channel": self._db.channel,
+            "done": self._db.done_channel,
         }
         claim = self._fetcher.fold() if fold and self._fetcher is not None else None
         written = False

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
+from .._checks import encode_result
 from ..errors import a_or_an
 from ..hooks import Finished, Hooks, Middleware
 from ..job import Fail, Job, Retry
@@ -16,6 +17,9 @@ from .outcome import MAX_DELAY, Outcome, default_backoff
 from .threads import ThreadRunner
 
 log = logging.getLogger("asyncjobq.executor")
+
+# The cancel reason of a job whose cancel Queue.cancel asked for: it ends `cancelled`.
+CANCEL_REQUESTED = "cancel requested"
 
 
 @dataclass
@@ -170,9 +174,15 @@ async def _in_thread(job: Job, running: RunningJob, task: Task, runner: ThreadRu
             if running.abandoned:
                 raise
             if cancelled is None and not body.done():
-                log.warning("job %s (%s) attempt %s: a sync handler cannot be interrupted; "
-                            "waiting for it to return before its job is let go", running.job.id,
-                            running.job.task, running.job.attempt)
+                if running.cancel_reason == CANCEL_REQUESTED:
+                    log.info("job %s (%s) attempt %s: cancel requested; a sync handler cannot "
+                             "be interrupted, it sees job.cancel_requested and ends "
+                             "cancelled when it returns", running.job.id, running.job.task,
+                             running.job.attempt)
+                else:
+                    log.warning("job %s (%s) attempt %s: a sync handler cannot be "
+                                "interrupted; waiting for it to return before its job is let "
+                                "go", running.job.id, running.job.task, running.job.attempt)
             cancelled = e
         except BaseException:
             break  # the body's own exception, raised by body.result() below
@@ -188,17 +198,30 @@ async def _in_thread(job: Job, running: RunningJob, task: Task, runner: ThreadRu
 
 async def execute(
     running: RunningJob, task: Task | None, registered: Iterable[str], runner: ThreadRunner,
-    hooks: Hooks | None = None,
+    hooks: Hooks | None = None, max_result_bytes: int = 1_000_000,
 ) -> Outcome | None:
     """Run the handler. Returns None only when the lease was lost (nothing may be written)."""
     if running.called_off:
+        if running.cancel_reason == CANCEL_REQUESTED:
+            return _cancelled(running)
         return _unstarted(running)
-    outcome = await _attempt(running, task, registered, runner, hooks)
+    outcome = await _attempt(running, task, registered, runner, hooks, max_result_bytes)
     # Whatever a handler made of that cancellation (a Fail, a Retry, an error of its own, a
     # return), another attempt of the job may hold its row now: nothing of this one is written.
     if running.cancel_reason == "lease lost":
         return None
+    # Likewise whatever it made of a cancel asked for while it ran: no retry follows a cancel.
+    # A handler that returned before the cancel arrived is not here: its outcome stands.
+    if running.cancel_reason == CANCEL_REQUESTED:
+        return _cancelled(running)
     return outcome
+
+
+def _cancelled(running: RunningJob) -> Outcome:
+    job = running.job
+    running.interrupted = True  # on_finished reports it as cancelled
+    return Outcome(job.id, job.attempt, task=job.task, kind="cancelled",
+                   error=f"attempt {job.attempt}: cancelled while running, as asked")
 
 
 def _unstarted(running: RunningJob) -> Outcome | None:
@@ -220,7 +243,7 @@ def _released(running: RunningJob) -> Outcome:
 
 async def _attempt(
     running: RunningJob, task: Task | None, registered: Iterable[str], runner: ThreadRunner,
-    hooks: Hooks | None,
+    hooks: Hooks | None, max_result_bytes: int = 1_000_000,
 ) -> Outcome:
     job = running.job
     if task is None:
@@ -293,7 +316,20 @@ async def _attempt(
         log.warning("job %s (%s) attempt %s timed out after %s s", job.id, job.task, job.attempt,
                     task.timeout)
         return _failure(job, task, f"timed out after {task.timeout} s")
-    if result is not None:
-        log.debug("job %s (%s) returned %r; return values are ignored", job.id, job.task,
-                  type(result).__name__)
-    return Outcome(job.id, job.attempt, task=job.task, kind="done")
+    return done(job, result, max_result_bytes)
+
+
+def done(job: Job, result: object, max_result_bytes: int) -> Outcome:
+    """A handler returned `result`: done, with the result as JSON (None stores nothing). A
+    value that cannot be stored dead-letters the job at once, its run kept as it was: running
+    it again would return the same value (docs/guides/results.md)."""
+    if result is None:
+        return Outcome(job.id, job.attempt, task=job.task, kind="done")
+    try:
+        text = encode_result(result, max_result_bytes)
+    except ValueError as e:
+        log.warning("job %s (%s) attempt %s: its result cannot be stored, failed without "
+                    "retrying: %s", job.id, job.task, job.attempt, e)
+        return Outcome(job.id, job.attempt, task=job.task, kind="failed", error=(
+            f"attempt {job.attempt}: the handler returned, but {e}"))
+    return Outcome(job.id, job.attempt, task=job.task, kind="done", result=text)

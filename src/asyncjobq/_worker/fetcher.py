@@ -26,7 +26,7 @@ from .._db.retrying import RETRYABLE, Backoff, RetryPolicy
 from .._db.sql import Statement
 from .._db.sql.claim import WorkerStatements
 from ..errors import reason
-from ..job import Job
+from ..job import Job, JobControl
 from .floors import Floors
 
 log = logging.getLogger("asyncjobq.fetcher")
@@ -121,9 +121,11 @@ class Fetcher:
         keep: Callable[[], list[tuple[int, int]]] = list,
         claimed: Callable[[list[Job]], None] | None = None,
         limits: dict[str, dict[str, object]] | None = None,
+        control: JobControl | None = None,
     ) -> None:
         self._db = db
         self._worker_id = worker_id
+        self._control = control  # lent to each Job (cancel_requested, set_progress)
         # Unique: a queue named twice would fill half of each claim with the same rows.
         self._queues = list(dict.fromkeys(queues))
         self._batch_size = batch_size
@@ -279,7 +281,7 @@ class Fetcher:
         jobs = [
             Job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4], attempt=r[5],
                 max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id,
-                trace_context=r[9])
+                trace_context=r[9], control=self._control)
             for r in rows if r[0] is not None
         ]
         if jobs:

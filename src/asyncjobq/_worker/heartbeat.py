@@ -54,6 +54,7 @@ class Heartbeat:
         running_tasks: Callable[[], list[str]],
         on_lost: Callable[[set[tuple[int, int]]], None],
         on_cut_off: Callable[[float], None] = lambda _: None,
+        on_cancel: Callable[[set[tuple[int, int]]], None] = lambda _: None,
     ) -> None:
         self._db = db
         self._worker_id = worker_id
@@ -65,6 +66,9 @@ class Heartbeat:
         self._running_tasks = running_tasks  # likewise
         self._on_lost = on_lost  # called on the loop
         self._on_cut_off = on_cut_off  # likewise
+        # Told of held attempts whose cancel was asked for (the fallback of the notification
+        # Queue.cancel sends); on the loop as well.
+        self._on_cancel = on_cancel
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -288,7 +292,9 @@ class Heartbeat:
             cur = conn.execute(self._db.sql.job_heartbeat_many, {
                 "ids": [i for i, _ in leased], "attempts": [a for _, a in leased],
                 "worker": self._worker_id})
-            kept = {(int(r[0]), int(r[1])) for r in cur.fetchall()}  # type: ignore[call-overload]
+            rows = cur.fetchall()
+            kept = {(int(r[0]), int(r[1])) for r in rows}  # type: ignore[call-overload]
+            cancel = {(int(r[0]), int(r[1])) for r in rows if r[2]}  # type: ignore[call-overload]
         except psycopg.Error as e:
             self._failed(e)
             _close(conn)
@@ -297,9 +303,12 @@ class Heartbeat:
         self._errors_seen.clear()
         self.beats += 1
         lost = set(leased) - kept
-        if lost and self._loop is not None:
+        if (lost or cancel) and self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._lost_on_loop, lost)
+                if lost:
+                    self._loop.call_soon_threadsafe(self._lost_on_loop, lost)
+                if cancel:
+                    self._loop.call_soon_threadsafe(self._on_cancel, cancel)
             except RuntimeError:
                 pass  # loop closed: the worker is gone anyway
         return conn

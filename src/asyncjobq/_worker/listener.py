@@ -34,6 +34,7 @@ class Listener:
         on_disconnect: Callable[[], None] = lambda: None,
         keepalive: float = 10.0,
         application_name: str = "asyncjobq-listen",
+        also: dict[str, Callable[[str], None]] | None = None,
     ) -> None:
         self._dsn = dsn
         self._channel = channel
@@ -42,6 +43,8 @@ class Listener:
         self._on_disconnect = on_disconnect
         self._keepalive = keepalive
         self._application_name = application_name
+        # Other channels heard on the same connection, each with its own handler of payloads.
+        self._also = dict(also or {})
         self.connected = anyio.Event()
         self.connects = 0
         self.backend_pid: int | None = None
@@ -63,7 +66,8 @@ class Listener:
                                              application_name=self._application_name)
         listening = False
         try:
-            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            for channel in (self._channel, *self._also):
+                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             listening = True
             self.backend_pid = conn.info.backend_pid
             self.connects += 1
@@ -74,7 +78,11 @@ class Listener:
             self._on_connect()
             while True:
                 async for n in conn.notifies(timeout=self._keepalive):
-                    self._dispatch(n.payload)
+                    other = self._also.get(n.channel)
+                    if other is not None:
+                        other(n.payload)
+                    else:
+                        self._dispatch(n.payload)
                 await conn.execute("SELECT 1")
         finally:
             if listening:

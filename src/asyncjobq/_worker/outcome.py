@@ -10,7 +10,7 @@ from ..job import MAX_DELAY, is_delay
 
 __all__ = ["MAX_DELAY", "Outcome", "OutcomeKind", "default_backoff", "is_delay"]
 
-OutcomeKind = Literal["done", "retry", "snooze", "failed"]
+OutcomeKind = Literal["done", "retry", "snooze", "failed", "cancelled"]
 
 @dataclass(frozen=True)
 class Outcome:
@@ -20,6 +20,7 @@ class Outcome:
     delay: float = 0.0  # seconds until the job may run again (retry, snooze)
     error: str | None = None  # appended to last_error
     task: str = ""  # for log lines
+    result: str | None = None  # the handler's return value as JSON text (done only)
 
 
 def default_backoff(attempt: int) -> float:

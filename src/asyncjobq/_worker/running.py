@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 
 from ..job import Job
-from .executor import RunningJob
+from .executor import CANCEL_REQUESTED, RunningJob
 
 # The worker's own messages, under the logger its users already filter on.
 log = logging.getLogger("asyncjobq.worker")
@@ -153,6 +153,19 @@ class Running:
                             "cancelling the handler, its outcome will not be written", key[0],
                             r.job.task, key[1])
                 r.cancel("lease lost")
+
+    def cancel_requested(self, ids: set[int] | None = None, keys: set[Key] | None = None,
+                         ) -> None:
+        """Queue.cancel asked for these jobs (by id, from its notification) or attempts (from
+        the heartbeat's reply) to stop: their handlers are cancelled, and each ends
+        `cancelled` (executor.CANCEL_REQUESTED). A job not running here (finished, its outcome
+        on its way) is left to its outcome."""
+        for key, r in list(self._jobs.items()):
+            if (ids is not None and key[0] in ids) or (keys is not None and key in keys):
+                if r.cancel_reason is None:
+                    log.info("job %s (%s) attempt %s: cancel requested; cancelling the handler",
+                             key[0], r.job.task, key[1])
+                    r.cancel(CANCEL_REQUESTED)
 
     def cut_off(self, silent_for: float) -> None:
         """No heartbeat has landed for a lease: the fleet presumes this worker dead and may

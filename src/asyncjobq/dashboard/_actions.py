@@ -57,8 +57,12 @@ async def retry(request: Request) -> Response:
 async def cancel(request: Request) -> Response:
     dash, _ = await _checked_form(request)
     job_id = _job_id(request)
-    ok = await (await dash.ready()).cancel(job_id)
-    return _back(dash, request, f"/jobs/{job_id}", note="cancelled" if ok else "not-cancelled")
+    q = await dash.ready()
+    ok = await q.cancel(job_id)
+    info = await q.get(job_id) if ok else None
+    note = ("not-cancelled" if not ok else
+            "cancel-requested" if info is not None and info.status == "running" else "cancelled")
+    return _back(dash, request, f"/jobs/{job_id}", note=note)
 
 
 def _bulk_of(values: Any) -> tuple[str, str | None, str | None]:

@@ -8,7 +8,7 @@ from functools import cached_property
 from psycopg import sql
 
 from .common import (
-    HISTORY_COLUMNS,
+    HISTORY_INFO_COLUMNS,
     INFO_COLUMNS,
     Role,
     Statement,
@@ -17,6 +17,7 @@ from .common import (
     count_history,
     history_row,
     notify_lanes,
+    notify_waited,
 )
 
 
@@ -60,12 +61,29 @@ class AdminStatements(Role):
 
     # --- read / admin ----------------------------------------------------------------------
 
+    def _job_info_where(self, where: str, tail: str = "") -> Statement:
+        # JobInfo's columns of the jobs matching `where`, live or finished.
+        return sql.SQL(
+            "SELECT {c} FROM {s}.jobs WHERE " + where +
+            " UNION ALL SELECT {h} FROM {s}.jobs_history WHERE " + where + tail
+        ).format(c=sql.SQL(INFO_COLUMNS), h=sql.SQL(HISTORY_INFO_COLUMNS),
+                 s=sql.Identifier(self.schema))
+
     @cached_property
     def job_get_by_id(self) -> Statement:
-        return sql.SQL(
-            "SELECT {c} FROM {s}.jobs WHERE id = %(id)s"
-            " UNION ALL SELECT {c} FROM {s}.jobs_history WHERE id = %(id)s LIMIT 1"
-        ).format(c=sql.SQL(INFO_COLUMNS), s=sql.Identifier(self.schema))
+        return self._job_info_where("id = %(id)s", " LIMIT 1")
+
+    @cached_property
+    def job_get_many(self) -> Statement:
+        # Queue.wait's look at the jobs it waits for, a batch at a time (_waiting.py).
+        return self._job_info_where("id = ANY(%(ids)s)")
+
+    @cached_property
+    def job_mark_waited(self) -> Statement:
+        # Queue.wait: from now on the statements that make these jobs final notify
+        # <schema>_done of them (0011_results.sql). Rows already marked are not written again.
+        return _q("UPDATE {s}.jobs SET waited = true"
+                  " WHERE id = ANY(%(ids)s) AND waited IS NOT TRUE", self.schema)
 
     @cached_property
     def job_count_by_queue_status(self) -> Statement:
@@ -166,15 +184,23 @@ class AdminStatements(Role):
 
     @cached_property
     def job_cancel(self) -> Statement:
-        return sql.SQL(
+        # A queued job is cancelled now, into history. A running one is asked to stop: its
+        # worker hears the id on <schema>_cancel (its heartbeat's reply as the fallback) and
+        # writes `cancelled`, fenced as every outcome; a worker that died leaves it to the
+        # reaper, which cancels it (0011_results.sql). Returns 'cancelled', 'asked', or nothing.
+        return self._compose(
             "WITH cancelled AS ("
-            " DELETE FROM {s}.jobs WHERE id = %s AND status = 'queued' RETURNING *),"
+            " DELETE FROM {s}.jobs WHERE id = %(id)s AND status = 'queued' RETURNING *),"
             " moved AS (INSERT INTO {s}.jobs_history ({h})"
             " SELECT " + history_row("cancelled") +
             " FROM cancelled RETURNING id, queue, status),"
-            " counted AS (" + count_history("moved") + ")"
-            " SELECT id FROM moved"
-        ).format(s=sql.Identifier(self.schema), h=sql.SQL(HISTORY_COLUMNS))
+            " counted AS (" + count_history("moved") + "),"
+            " asked AS (UPDATE {s}.jobs SET cancel_requested_at = coalesce(cancel_requested_at,"
+            "   now()) WHERE id = %(id)s AND status = 'running' RETURNING id),"
+            " told AS (SELECT " + notify_waited("cancelled") + " AS w,"
+            "   (SELECT count(pg_notify(%(cancel)s, id::text)) FROM asked) AS c)"
+            " SELECT 'cancelled' FROM moved UNION ALL SELECT 'asked' FROM asked"
+            " UNION ALL SELECT NULL FROM told WHERE w < 0 OR c < 0")
 
     # --- limits (0007_flow_control.sql) ----------------------------------------------------
 

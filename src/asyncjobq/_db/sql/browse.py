@@ -14,7 +14,15 @@ from functools import cached_property
 
 from psycopg import sql
 
-from .common import HISTORY_COLUMNS, Role, Statement, count_history, history_row, notify_lanes
+from .common import (
+    HISTORY_COLUMNS,
+    Role,
+    Statement,
+    count_history,
+    history_row,
+    notify_lanes,
+    notify_waited,
+)
 
 # Columns of JobSummary (job.py), in this order: no payload, the error cut short.
 # last_error holds every attempt's error, oldest first (claim.py): the list shows its newest
@@ -24,8 +32,8 @@ SUMMARY_COLUMNS = ("id, task, queue, status, attempts, max_attempts, priority, r
 # Columns of JobDetail: JobInfo's, then the worker, its lock time and the dedup key.
 # JobDetail's: JobInfo's (INFO_COLUMNS, key last), then the worker's.
 DETAIL_COLUMNS = ("id, task, queue, status, attempts, max_attempts, priority, run_at, "
-                  "last_error, created_at, finished_at, payload, key, locked_by, {locked_at}, "
-                  "dedup_key")
+                  "last_error, created_at, finished_at, payload, key, {result}, progress, "
+                  "{cancel}, locked_by, {locked_at}, dedup_key")
 
 
 # The statuses a job has while in the live table (jobs); done and cancelled ones are in history.
@@ -106,8 +114,11 @@ class BrowseStatements(Role):
         return sql.SQL(
             "SELECT {hot} FROM {s}.jobs WHERE id = %(id)s"
             " UNION ALL SELECT {old} FROM {s}.jobs_history WHERE id = %(id)s LIMIT 1"
-        ).format(hot=sql.SQL(DETAIL_COLUMNS.format(locked_at="locked_at")),
-                 old=sql.SQL(DETAIL_COLUMNS.format(locked_at="NULL::timestamptz")),
+        ).format(hot=sql.SQL(DETAIL_COLUMNS.format(
+                     locked_at="locked_at", result="NULL::jsonb",
+                     cancel="cancel_requested_at IS NOT NULL")),
+                 old=sql.SQL(DETAIL_COLUMNS.format(
+                     locked_at="NULL::timestamptz", result="result", cancel="false")),
                  s=sql.Identifier(self.schema))
 
     @cached_property
@@ -140,8 +151,9 @@ class BrowseStatements(Role):
             " moved AS (INSERT INTO {s}.jobs_history ({h})"
             " SELECT " + history_row("cancelled") +
             " FROM cancelled RETURNING queue, status),"
-            " counted AS (" + count_history("moved") + ")"
-            " SELECT count(*) FROM moved"
+            " counted AS (" + count_history("moved") + "),"
+            " told AS (SELECT " + notify_waited("cancelled") + " AS w)"
+            " SELECT count(*) FROM moved WHERE (SELECT w FROM told) >= 0"
         ).format(s=sql.Identifier(self.schema),
                  h=sql.SQL(HISTORY_COLUMNS),
                  where=where.format(

@@ -17,6 +17,7 @@ from .common import (
     count_history,
     history_row,
     notify_lanes,
+    notify_waited,
 )
 
 # Not ended by this statement: a running row r of this worker whose attempt a completion
@@ -382,9 +383,10 @@ class WorkerStatements(Role):
         # condition matches jobs_running_idx's predicate, and the planner ANDed a bitmap of
         # that whole index in: under a pinned xmin horizon it holds an entry for every row
         # that ever ran (68,630 after 35 s at 2,000 jobs/s; 10 ms a flush).
+        # A sixth element, the handler's result, only when it returned one (a `done`).
         "o AS ("
         "  SELECT (e->>0)::bigint AS id, (e->>1)::int AS attempt, e->>2 AS kind,"
-        "    (e->>3)::float8 AS delay, e->>4 AS error"
+        "    (e->>3)::float8 AS delay, e->>4 AS error, e->5 AS result"
         "  FROM jsonb_array_elements(%(outcomes)s::jsonb) AS e),"
         # Lock the rows in id order first, as the heartbeat does: two statements that lock
         # overlapping rows in different orders deadlock (seen in the soak benchmark). Rows are
@@ -397,15 +399,24 @@ class WorkerStatements(Role):
         "  ORDER BY j.id FOR UPDATE OF j),"
         " mine AS MATERIALIZED ("
         "  SELECT o.* FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
+        # Done and cancelled (a cancel the worker heard of) rows move to history, with the
+        # result, and the error for a cancelled one. So does a retry or snooze of a job whose
+        # cancel was asked for after its handler ended: it is cancelled, not run again.
         " finished AS ("
         "  DELETE FROM {s}.jobs j"
-        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind = 'done'))"
+        "  WHERE (j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind IN ('done', 'cancelled')))"
+        "    OR j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind IN ('retry', 'snooze')))"
+        "      AND j.cancel_requested_at IS NOT NULL)"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
         "  RETURNING j.*),"
         " archived AS ("
-        "  INSERT INTO {s}.jobs_history ({h})"
-        " SELECT " + history_row("done") +
-        "  FROM finished RETURNING id, queue, status),"
+        "  INSERT INTO {s}.jobs_history ({h}, result)"
+        " SELECT " + history_row("", status_sql=(
+            "(CASE WHEN m.kind = 'done' THEN 'done' ELSE 'cancelled' END)::{s}.job_status"),
+            last_error=(
+            "CASE WHEN m.error IS NULL THEN last_error"
+            " ELSE right(concat_ws(E'\\n', last_error, m.error), 8000) END")) +
+        "  , m.result FROM finished JOIN mine m USING (id) RETURNING id, queue, status),"
         " counted AS (" + count_history("archived") + "),"
         " updated AS ("
         "  UPDATE {s}.jobs j SET"
@@ -417,16 +428,21 @@ class WorkerStatements(Role):
         "    last_error = CASE WHEN m.error IS NULL THEN j.last_error"
         "                      ELSE right(concat_ws(E'\\n', j.last_error, m.error), 8000) END,"
         "    finished_at = CASE WHEN m.kind = 'failed' THEN now() END,"
-        "    locked_by = NULL, locked_at = NULL"
+        # A cancel asked for a job that now fails for good has nothing left to stop.
+        "    locked_by = NULL, locked_at = NULL, cancel_requested_at = NULL"
         "  FROM mine m"
-        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind <> 'done')) AND j.id = m.id"
+        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind NOT IN ('done', 'cancelled')))"
+        "    AND j.id = m.id AND j.id <> ALL(ARRAY(SELECT id FROM finished))"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
-        "  RETURNING j.id, j.status, j.queue, j.priority, j.run_at),"
+        "  RETURNING j.id, j.status, j.queue, j.priority, j.run_at, j.waited),"
         # Retried and snoozed rows are queued again: their queues' workers hear of them, with
         # their lanes (a floor above them is lowered). Referenced by every statement below as
         # a branch that returns no row, so that it is evaluated.
+        # Jobs made final here that someone waits for: their ids to <schema>_done.
         " requeued AS (SELECT " + notify_lanes("(SELECT * FROM updated WHERE status = 'queued') u")
-        + " AS n)"
+        + " AS n, " + notify_waited(
+            "(SELECT id, waited FROM finished UNION ALL"
+            " SELECT id, waited FROM updated WHERE status = 'failed')") + " AS w)"
     )
     _REQUEUED_NONE = " UNION ALL SELECT {nulls} FROM requeued WHERE n < 0"
 
@@ -525,7 +541,26 @@ class WorkerStatements(Role):
             "    AND j.locked_by = %(worker)s"
             "  ORDER BY j.id FOR NO KEY UPDATE OF j)"
             " UPDATE {s}.jobs j SET locked_at = now() FROM held WHERE j.id = held.id"
-            " RETURNING j.id, j.attempts",
+            # The third column: a cancel was asked for (Queue.cancel), the fallback of its
+            # notification.
+            " RETURNING j.id, j.attempts, j.cancel_requested_at IS NOT NULL",
+            self.schema,
+        )
+
+    @cached_property
+    def job_set_progress_many(self) -> Statement:
+        # job.set_progress, coalesced by the worker (_worker/progress.py). Fenced as the
+        # heartbeat is, on (id, attempts) and locked_by, rows locked in id order as the
+        # heartbeat and the completion lock them (no deadlock).
+        return _q(
+            "WITH held AS MATERIALIZED ("
+            "  SELECT j.id, p.v FROM {s}.jobs j"
+            "  JOIN unnest(%(ids)s::bigint[], %(attempts)s::int[], %(values)s::text[])"
+            "    AS p(id, attempt, v) ON p.id = j.id AND p.attempt = j.attempts"
+            "  WHERE j.id = ANY(%(ids)s) AND j.status::text = 'running'"
+            "    AND j.locked_by = %(worker)s"
+            "  ORDER BY j.id FOR NO KEY UPDATE OF j)"
+            " UPDATE {s}.jobs j SET progress = held.v::jsonb FROM held WHERE j.id = held.id",
             self.schema,
         )
 

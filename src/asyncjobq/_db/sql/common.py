@@ -13,24 +13,42 @@ CLAIM_COLUMNS = (
     "id, task, queue, payload, priority, attempts, max_attempts, run_at, created_at, "
     "trace_context"
 )
-# Columns of JobInfo, in this order.
+# Columns of JobInfo, in this order, as the live table has them (a live job has no result).
 INFO_COLUMNS = (
     "id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "
-    "created_at, finished_at, payload, key"
+    "created_at, finished_at, payload, key, NULL::jsonb, progress, "
+    "cancel_requested_at IS NOT NULL"
+)
+# The same columns as jobs_history has them.
+HISTORY_INFO_COLUMNS = (
+    "id, task, queue, status, attempts, max_attempts, priority, run_at, last_error, "
+    "created_at, finished_at, payload, key, result, progress, false"
 )
 # Columns shared by jobs and jobs_history, for moving a finished row.
 HISTORY_COLUMNS = (
     "id, queue, task, payload, status, priority, run_at, attempts, max_attempts, "
-    "dedup_key, locked_by, last_error, created_at, finished_at, key"
+    "dedup_key, locked_by, last_error, created_at, finished_at, key, progress"
 )
 
 
-def history_row(status: str) -> str:
+def history_row(status: str, *, status_sql: str | None = None,
+                last_error: str = "last_error") -> str:
     """The SELECT list (HISTORY_COLUMNS' order) that moves a `jobs` row deleted by the same
     statement into jobs_history as `status`, finished now: one list for every statement that
-    finishes jobs, so a column added to both tables is added once."""
-    return (f"id, queue, task, payload, '{status}', priority, run_at, attempts, max_attempts,"
-            " dedup_key, locked_by, last_error, created_at, now(), key")
+    finishes jobs, so a column added to both tables is added once. `status_sql` and
+    `last_error`: SQL expressions to use instead (a status per row, an error appended)."""
+    status_sql = status_sql or f"'{status}'"
+    return (f"id, queue, task, payload, {status_sql}, priority, run_at,"
+            f" attempts, max_attempts, dedup_key, locked_by, {last_error}, created_at, now(),"
+            " key, progress")
+
+
+def notify_waited(rows: str) -> str:
+    """A scalar subquery that notifies <schema>_done (%(done)s) of each row of `rows` (id and
+    waited columns: jobs this statement made final) that a `Queue.wait` looks for
+    (0011_results.sql); the count sent. Rows nobody waits for send nothing."""
+    return (f"(SELECT count(pg_notify(%(done)s, w.id::text)) FROM {rows} w"
+            " WHERE w.waited)")
 
 
 def count_history(rows: str) -> str:

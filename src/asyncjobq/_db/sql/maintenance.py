@@ -7,7 +7,17 @@ from functools import cached_property
 
 from psycopg import sql
 
-from .common import HORIZON_HOLDERS, Role, Statement, _advisory_xact_lock, _q, notify_lanes
+from .common import (
+    HORIZON_HOLDERS,
+    Role,
+    Statement,
+    _advisory_xact_lock,
+    _q,
+    count_history,
+    history_row,
+    notify_lanes,
+    notify_waited,
+)
 
 
 class MaintenanceStatements(Role):
@@ -21,11 +31,23 @@ class MaintenanceStatements(Role):
         # Running rows whose holder stopped heartbeating for longer than the lease: requeue,
         # or fail once the attempts are spent (a job that keeps killing workers is a poison pill).
         # Requeued rows wake their queues' workers with their lanes (notify_lanes).
-        return _q(
+        # A stuck job whose cancel was asked for (0011_results.sql) is cancelled instead, into
+        # history: its worker is gone, and no retry follows a cancel. Jobs made final that a
+        # `Queue.wait` looks for notify <schema>_done.
+        return self._compose(
             "WITH stuck AS ("
             " SELECT id, locked_by FROM {s}.jobs WHERE status = 'running'"
             "   AND locked_at < now() - make_interval(secs => %(lease)s)"
             " ORDER BY locked_at LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED),"
+            " cancelled AS (DELETE FROM {s}.jobs j USING stuck"
+            "   WHERE j.id = stuck.id AND j.cancel_requested_at IS NOT NULL RETURNING j.*),"
+            " moved AS (INSERT INTO {s}.jobs_history ({h})"
+            " SELECT " + history_row("cancelled", last_error=(
+                "right(concat_ws(E'\\n', last_error, format('attempt %%s: cancelled, as asked"
+                " at %%s; its worker %%s stopped heartbeating at %%s', attempts,"
+                " cancel_requested_at, locked_by, locked_at)), 8000)")) +
+            " FROM cancelled RETURNING id, queue, status),"
+            " counted AS (" + count_history("moved") + "),"
             " reaped AS (UPDATE {s}.jobs j SET"
             "   status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed'"
             "                 ELSE 'queued' END::{s}.job_status,"
@@ -35,11 +57,18 @@ class MaintenanceStatements(Role):
             "     format('attempt %%s: lease expired, worker %%s stopped heartbeating at %%s',"
             "            j.attempts, j.locked_by, j.locked_at)), 8000),"
             "   locked_by = NULL, locked_at = NULL"
-            " FROM stuck WHERE j.id = stuck.id"
-            " RETURNING j.id, j.status, j.queue, j.task, stuck.locked_by, j.priority, j.run_at)"
-            " SELECT id, status::text, queue, task, locked_by, "
-            + notify_lanes("(SELECT * FROM reaped WHERE status = 'queued') r") + " FROM reaped",
-            self.schema,
+            " FROM stuck WHERE j.id = stuck.id AND j.cancel_requested_at IS NULL"
+            " RETURNING j.id, j.status, j.queue, j.task, stuck.locked_by, j.priority, j.run_at,"
+            "   j.waited)"
+            # Notifications in a CTE of their own, referenced by a branch that returns no row:
+            # evaluated whichever of the two others has rows.
+            ", told AS (SELECT "
+            + notify_lanes("(SELECT * FROM reaped WHERE status = 'queued') r") + " AS n, "
+            + notify_waited("(SELECT id, waited FROM reaped WHERE status = 'failed' UNION ALL"
+                            " SELECT id, waited FROM cancelled)") + " AS w)"
+            " SELECT id, status::text, queue, task, locked_by FROM reaped"
+            " UNION ALL SELECT id, 'cancelled', queue, task, locked_by FROM cancelled"
+            " UNION ALL SELECT NULL, NULL, NULL, NULL, NULL FROM told WHERE n < 0 OR w < 0"
         )
 
     # --- maintenance: leadership ------------------------------------------------------------

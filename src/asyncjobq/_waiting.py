@@ -1,0 +1,187 @@
+"""Queue.wait: one listening connection per Queue, shared by every wait in the process.
+
+A wait registers its job id; the waiter's loop marks the jobs it has not marked yet (`waited`,
+0011_results.sql) and reads them, in one statement each for the whole batch, once its LISTEN on
+<schema>_done is in place. From then on, the statement that makes a marked job final names it on
+that channel, and the loop reads the jobs named. Nothing else is read while nothing is named:
+waits cost the database nothing while they wait.
+
+Notifications are not guaranteed: the listening connection can drop (those sent meanwhile are
+lost), and a job finished by a statement that does not notify (by hand, by an older release)
+sends none. So every `RECHECK` seconds, and at every reconnection, the loop reads every job still
+waited for: a lost notification delays a wait by at most that much, never forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import psycopg
+import psycopg.errors
+from psycopg import AsyncConnection, sql
+
+from ._db.database import Database
+from ._db.retrying import RETRYABLE, RetryPolicy
+from .errors import AsyncJobQError, JobNotFoundError, reason
+from .job import JobInfo
+
+log = logging.getLogger("asyncjobq.wait")
+
+RETRY_ON: tuple[type[Exception], ...] = (*RETRYABLE, OSError)
+# Seconds between reads of every job still waited for: the most a lost notification delays
+# a wait.
+RECHECK = 5.0
+# Jobs read per statement: an id list this long is one index scan per table.
+BATCH = 5000
+# A quiet listening connection is probed this often, so that a dead one is noticed.
+KEEPALIVE = 10.0
+
+
+class Waiter:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        # As the worker names its own connections (-listen, -heartbeat): found in
+        # pg_stat_activity by the queue's application_name.
+        self._name = f"{db.application_name}-wait"
+        self._futures: dict[int, list[asyncio.Future[JobInfo]]] = {}
+        self._unmarked: set[int] = set()  # registered, not yet marked and read
+        self._named: set[int] = set()  # named on <schema>_done, to read
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.loop = asyncio.get_running_loop()
+        self.connects = 0
+        self.reads = 0  # statements reading waited jobs (tests count them)
+
+    async def wait(self, job_id: int) -> JobInfo:
+        fut: asyncio.Future[JobInfo] = self.loop.create_future()
+        self._futures.setdefault(job_id, []).append(fut)
+        self._unmarked.add(job_id)
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="asyncjobq waits")
+        try:
+            return await fut
+        finally:
+            waiting = self._futures.get(job_id)
+            if waiting is not None:
+                with contextlib.suppress(ValueError):
+                    waiting.remove(fut)
+                if not waiting:
+                    del self._futures[job_id]
+                    self._unmarked.discard(job_id)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # --- the loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        retry = RetryPolicy(log, "waiting for jobs (LISTEN connection)")
+        while self._futures:
+            try:
+                with self._db.translate_errors():
+                    await self._listen(retry)
+            except AsyncJobQError as e:  # the schema is missing or older: say so, not retry
+                self._fail_all(e)
+            except psycopg.errors.InsufficientPrivilege as e:
+                self._fail_all(AsyncJobQError(
+                    f"Queue.wait: {reason(e)}: the role that waits needs SELECT on jobs and "
+                    "jobs_history and UPDATE (waited) on jobs (docs/guides/roles.md)"))
+            except RETRY_ON as e:
+                await asyncio.sleep(retry.failed(e))
+
+    def _fail_all(self, error: AsyncJobQError) -> None:
+        for futs in self._futures.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(error)
+        self._unmarked.clear()
+
+    async def _listen(self, retry: RetryPolicy) -> None:
+        conn = await AsyncConnection.connect(self._db.dsn, autocommit=True, connect_timeout=10,
+                                             application_name=self._name)
+        try:
+            await conn.execute(sql.SQL("LISTEN {}").format(
+                sql.Identifier(self._db.done_channel)))
+            self.connects += 1
+            retry.succeeded()
+            # Notifications sent before this LISTEN are lost: read every waited job again.
+            await self._read(set(self._futures), mark=set(self._unmarked))
+            notifies = asyncio.create_task(self._hear(conn))
+            try:
+                while self._futures:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(RECHECK):
+                            await self._wake.wait()
+                    if notifies.done():
+                        notifies.result()  # the connection's error, raised here
+                        return
+                    woken = self._wake.is_set()
+                    self._wake.clear()
+                    if woken:
+                        named, self._named = self._named & set(self._futures), set()
+                        await self._read(named | self._unmarked, mark=set(self._unmarked))
+                    else:  # RECHECK passed quietly: lost notifications are found here
+                        await self._read(set(self._futures), mark=set())
+            finally:
+                notifies.cancel()
+                with contextlib.suppress(asyncio.CancelledError, *RETRYABLE):
+                    await notifies
+        finally:
+            await conn.close()
+
+    async def _hear(self, conn: AsyncConnection[tuple[object, ...]]) -> None:
+        try:
+            while True:
+                async for n in conn.notifies(timeout=KEEPALIVE):
+                    try:
+                        job_id = int(n.payload)
+                    except ValueError:
+                        continue
+                    if job_id in self._futures:
+                        self._named.add(job_id)
+                        self._wake.set()
+                await conn.execute("SELECT 1")
+        finally:
+            self._wake.set()  # the loop sees this task ended, and reconnects
+
+    async def _read(self, ids: set[int], *, mark: set[int]) -> None:
+        """Mark `mark` as waited for, then read `ids`: settle the futures of final jobs and of
+        ids that do not exist."""
+        self._unmarked -= mark
+        todo = sorted(ids | mark)
+        try:
+            for start in range(0, len(todo), BATCH):
+                part = todo[start:start + BATCH]
+                marking = [i for i in part if i in mark]
+                async with self._db.connection() as conn:
+                    if marking:
+                        await conn.execute(self._db.sql.job_mark_waited, {"ids": marking})
+                    cur = await conn.execute(self._db.sql.job_get_many, {"ids": part})
+                    rows = await cur.fetchall()
+                self.reads += 1
+                self._settle(part, [JobInfo(*r) for r in rows])
+        except BaseException:
+            self._unmarked |= mark & set(self._futures)  # marked again on the next turn
+            raise
+
+    def _settle(self, ids: list[int], infos: list[JobInfo]) -> None:
+        found = {i.id: i for i in infos}
+        for job_id in ids:
+            info = found.get(job_id)
+            if info is not None and not info.is_final:
+                continue
+            for fut in self._futures.get(job_id, ()):
+                if fut.done():
+                    continue
+                if info is None:
+                    fut.set_exception(JobNotFoundError(job_id))
+                else:
+                    fut.set_result(info)
+
