@@ -7,7 +7,9 @@ settings, in the same run, alternating, medians of 3:
 - after, limited claim: this tree, a worker that also registers a limited task, so that every
   claim goes through the limited statement (sql/claim.py) although no job has a limit;
 - after, limited task on exports: this tree, a worker of `default` in an app whose limited
-  task runs on another queue, `exports`: it must claim as a worker without limits does.
+  task runs on another queue, `exports`: it must claim as a worker without limits does;
+- after, handler returns a result: this tree, the handler returns a small dict, stored as the
+  job's result (docs/guides/results.md): the cost of results against a handler returning None.
 
 Both trees run this tree's benchmarks/ (copied over the base worktree's), so that only src/
 differs. Server CPU per job is the PostgreSQL processes' CPU from release to drained
@@ -81,7 +83,8 @@ def main() -> None:
                     ignore=shutil.ignore_patterns("results", "__pycache__"))
     cells = [(f"before ({args.base})", base, []), ("after", ROOT, []),
              ("after, limited claim", ROOT, ["--limited-task"]),
-             ("after, limited task on exports", ROOT, ["--limited-elsewhere"])]
+             ("after, limited task on exports", ROOT, ["--limited-elsewhere"]),
+             ("after, handler returns a result", ROOT, ["--return-result"])]
     wanted = [w.strip() for w in args.cells.split(",") if w.strip()]
     cells = [next(c for c in cells if w in c[0]) for w in wanted]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in cells}

@@ -35,14 +35,17 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     record = args.record
     sleep = args.sleep
 
+    result = {"status": "ok", "rows": 42} if args.return_result else None
+
     @queue.task(name="noop")
-    async def noop(job: Job) -> None:
+    async def noop(job: Job) -> dict[str, Any] | None:
         if record == "latency":
             latencies.append(time.clock_gettime(time.CLOCK_MONOTONIC) - job.payload["t"])
         elif record == "ids":
             ids.append(job.id)
         if sleep:
             await asyncio.sleep(sleep)
+        return result
 
     if args.limited_task:
         # Never enqueued: its limit only makes every claim of this worker the limited one.
@@ -110,6 +113,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--limited-task", action="store_true")
     # ... or a limited task of another queue (`exports`), which this worker does not serve.
     p.add_argument("--limited-elsewhere", action="store_true")
+    # The results A/B: the handler returns a small dict, stored as each job's result.
+    p.add_argument("--return-result", action="store_true")
     return p.parse_args()
 
 

@@ -11,8 +11,10 @@ import time
 from datetime import datetime
 from typing import Any
 
+import psycopg
 import pytest
 from conftest import execute, fetchval, running, wait_for
+from psycopg import sql
 
 from asyncjobq import (
     ConfigurationError,
@@ -21,6 +23,7 @@ from asyncjobq import (
     JobFailedError,
     JobNotFoundError,
     Queue,
+    QueueClosedError,
     Worker,
     _waiting,
 )
@@ -376,3 +379,79 @@ async def test_a_retry_written_after_a_cancel_was_asked_ends_cancelled(queue: Qu
     assert a is not None and a.status == "cancelled" and "attempt 1: boom" in (a.last_error or "")
     assert b is not None and b.status == "done" and b.result == {"ok": 1}
     assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 0
+
+
+async def test_a_cancel_committed_while_a_retry_is_being_written_ends_cancelled(
+        queue: Queue, pg_dsn: str) -> None:
+    """The flush's snapshot predates the cancel; its lock waits for it: the cancel is seen."""
+    job_id = await queue.enqueue("t", {})
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1,"
+                         " locked_by = 'w1', locked_at = now() WHERE id = %s", job_id)
+    canceller = await psycopg.AsyncConnection.connect(pg_dsn)
+    try:
+        await canceller.execute(sql.SQL("UPDATE {}.jobs SET cancel_requested_at = now()"
+                                        " WHERE id = %s").format(sql.Identifier(queue.schema)),
+                                (job_id,))
+
+        async def flush() -> None:
+            async with queue.connection() as conn:
+                await conn.execute(queue.sql.job_set_outcome_if_running_many, {
+                    "outcomes": json.dumps([[job_id, 1, "retry", 0, "attempt 1: boom"]]),
+                    "worker": "w1", "channel": queue.channel,
+                    "done": queue.database.done_channel})
+
+        writing = asyncio.create_task(flush())
+        await wait_for(lambda: fetchval(
+            queue, "SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                   " AND datname = current_database()"), what="the flush to wait")
+        await canceller.commit()
+        await asyncio.wait_for(writing, 20)
+    finally:
+        await canceller.close()
+    info = await queue.get(job_id)
+    assert info is not None and info.status == "cancelled", info
+
+
+async def test_the_recheck_runs_while_other_waits_keep_the_waiter_busy(
+        queue: Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_waiting, "RECHECK", 0.5)
+    silent = await queue.enqueue("t", {})
+    waiting = asyncio.create_task(queue.wait(silent, timeout=30))
+    await wait_for(lambda: fetchval(queue, "SELECT waited FROM {s}.jobs WHERE id = %s", silent),
+                   what="the wait's mark")
+    await execute(queue, "UPDATE {s}.jobs SET status = 'failed', finished_at = now()"
+                         " WHERE id = %s", silent)
+    started = time.monotonic()
+    busy = []
+    while not waiting.done() and time.monotonic() - started < 10:
+        # A new wait every 50 ms: the waiter is woken far more often than RECHECK.
+        busy.append(asyncio.create_task(queue.wait(await queue.enqueue("t", {}), timeout=30)))
+        await asyncio.sleep(0.05)
+    assert waiting.done() and (await waiting).status == "failed"
+    assert time.monotonic() - started < 5
+    for b in busy:
+        b.cancel()
+
+
+async def test_closing_the_queue_ends_its_waits(pg_dsn: str, schema: str) -> None:
+    q = Queue(pg_dsn, schema=schema)
+    await q.open()
+    await q.install()
+    job_id = await q.enqueue("t", {})
+    waiting = asyncio.create_task(q.wait(job_id))
+    await wait_for(lambda: q._waiter is not None and q._waiter.reads > 0, what="the wait")
+    await q.close()
+    with pytest.raises(QueueClosedError, match="closed while waiting"):
+        await asyncio.wait_for(waiting, 10)
+    with pytest.raises(QueueClosedError, match="open it first"):
+        await q.wait(job_id)
+
+
+async def test_progress_that_postgresql_cannot_store_is_refused_in_the_handler() -> None:
+    job = Job(id=1, task="t", queue="q", payload={}, attempt=1, max_attempts=1, priority=0,
+              run_at=datetime.now(), created_at=datetime.now())
+    with pytest.raises(ConfigurationError, match="cannot be stored"):
+        await job.set_progress({"note": "a\x00b"})
+    with pytest.raises(ConfigurationError, match="over 8192"):
+        await job.set_progress("x" * 9000)
+    await job.set_progress({"ok": 1})  # outside a worker: checked only

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import psycopg
 import psycopg.errors
@@ -24,7 +25,7 @@ from psycopg import AsyncConnection, sql
 
 from ._db.database import Database
 from ._db.retrying import RETRYABLE, RetryPolicy
-from .errors import AsyncJobQError, JobNotFoundError, reason
+from .errors import AsyncJobQError, JobNotFoundError, QueueClosedError, reason
 from .job import JobInfo
 
 log = logging.getLogger("asyncjobq.wait")
@@ -35,6 +36,8 @@ RETRY_ON: tuple[type[Exception], ...] = (*RETRYABLE, OSError)
 RECHECK = 5.0
 # Jobs read per statement: an id list this long is one index scan per table.
 BATCH = 5000
+# Seconds the listening connection is kept once no wait is left.
+IDLE = 60.0
 # A quiet listening connection is probed this often, so that a dead one is noticed.
 KEEPALIVE = 10.0
 
@@ -73,6 +76,9 @@ class Waiter:
                     self._unmarked.discard(job_id)
 
     async def close(self) -> None:
+        """The queue is closing: its waits end with QueueClosedError, its connection closes."""
+        self._fail_all(QueueClosedError(
+            "Queue.wait: the queue was closed while waiting; wait on an open queue"))
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -95,40 +101,57 @@ class Waiter:
                     "jobs_history and UPDATE (waited) on jobs (docs/guides/roles.md)"))
             except RETRY_ON as e:
                 await asyncio.sleep(retry.failed(e))
+            except Exception as e:  # a bug of ours: the waits end with it rather than hang
+                log.exception("waiting for jobs failed")
+                self._fail_all(AsyncJobQError(f"Queue.wait failed: {reason(e)}"))
 
     def _fail_all(self, error: AsyncJobQError) -> None:
+        # Settled and forgotten at once: each wait's own `finally` finds nothing to remove.
         for futs in self._futures.values():
             for fut in futs:
                 if not fut.done():
                     fut.set_exception(error)
+        self._futures.clear()
         self._unmarked.clear()
 
     async def _listen(self, retry: RetryPolicy) -> None:
-        conn = await AsyncConnection.connect(self._db.dsn, autocommit=True, connect_timeout=10,
-                                             application_name=self._name)
+        conn = await AsyncConnection.connect(
+            self._db.dsn, autocommit=True, connect_timeout=max(1, round(self._db.connect_timeout)),
+            application_name=self._name)
         try:
             await conn.execute(sql.SQL("LISTEN {}").format(
                 sql.Identifier(self._db.done_channel)))
             self.connects += 1
-            retry.succeeded()
             # Notifications sent before this LISTEN are lost: read every waited job again.
             await self._read(set(self._futures), mark=set(self._unmarked))
+            retry.succeeded()  # only once a read went through: a failing read backs off
+            last_full = time.monotonic()
+            idle_since: float | None = None
             notifies = asyncio.create_task(self._hear(conn))
             try:
-                while self._futures:
+                # Kept while waits come and go, and IDLE seconds after the last: an app that
+                # waits for one job at a time does not connect for each.
+                while self._futures or (idle_since is not None
+                                        and time.monotonic() - idle_since < IDLE):
+                    if not self._futures and idle_since is None:
+                        idle_since = time.monotonic()
+                    elif self._futures:
+                        idle_since = None
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(RECHECK):
                             await self._wake.wait()
                     if notifies.done():
                         notifies.result()  # the connection's error, raised here
                         return
-                    woken = self._wake.is_set()
                     self._wake.clear()
-                    if woken:
+                    if time.monotonic() - last_full >= RECHECK:
+                        # Every RECHECK seconds, woken or not: lost notifications (and jobs
+                        # finished by statements that send none) are found here.
+                        last_full = time.monotonic()
+                        await self._read(set(self._futures), mark=set(self._unmarked))
+                    else:
                         named, self._named = self._named & set(self._futures), set()
                         await self._read(named | self._unmarked, mark=set(self._unmarked))
-                    else:  # RECHECK passed quietly: lost notifications are found here
-                        await self._read(set(self._futures), mark=set())
             finally:
                 notifies.cancel()
                 with contextlib.suppress(asyncio.CancelledError, *RETRYABLE):

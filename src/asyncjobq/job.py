@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol
 # Retry checks its delay as an enqueue does; both names stay importable from here, where the
 # worker machinery (_worker/outcome.py) takes them.
 from ._checks import MAX_DELAY as MAX_DELAY
+from ._checks import first_unstorable
 from ._checks import is_delay as is_delay
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
@@ -92,6 +93,13 @@ class Job:
             raise ConfigurationError(
                 f"set_progress({type(value).__name__}): not JSON ({e}); pass a number, a "
                 "string, or a dict or list of those") from None
+        if "\\u0000" in text or "\\ud" in text:
+            bad = first_unstorable(value)
+            if bad is not None:
+                from .errors import ConfigurationError
+                raise ConfigurationError(
+                    f"set_progress(): the string {bad!r} cannot be stored by PostgreSQL (NUL "
+                    "or an unpaired surrogate): remove the character")
         if len(text.encode()) > MAX_PROGRESS_BYTES:
             from .errors import ConfigurationError
             raise ConfigurationError(

@@ -61,6 +61,7 @@ from .errors import (
     InvalidPayloadError,
     JobCancelledError,
     JobFailedError,
+    JobNotFoundError,
     QueueClosedError,
     RetryRaceError,
     reason,
@@ -113,9 +114,11 @@ class Queue:
         max_result_bytes: int = 1_000_000,
     ) -> None:
         schema = validate_schema(schema)
-        if not int_between(max_result_bytes, 0, 2**30):
+        # At most 64 MiB: a flush carries its batch's results in one parameter (the worker
+        # splits batches past 16 MiB of them, _worker/completer.py), jsonb stops at 256 MiB.
+        if not int_between(max_result_bytes, 0, 64 * 2**20):
             raise ConfigurationError(f"max_result_bytes={max_result_bytes!r}: use a number of "
-                                     "bytes from 0 to 1 GiB, e.g. 1_000_000 (a handler's "
+                                     "bytes from 0 to 64 MiB, e.g. 1_000_000 (a handler's "
                                      "return value over it dead-letters its job)")
         # The largest handler return value stored as a job's result, as JSON text.
         self.max_result_bytes = int(max_result_bytes)
@@ -887,6 +890,16 @@ class Queue:
         if timeout is not None and (not is_number(timeout) or timeout < 0):
             raise ConfigurationError(f"timeout={timeout!r}: use seconds >= 0, or None to wait "
                                      "as long as it takes")
+        if not self._db.is_open:
+            raise QueueClosedError("Queue.wait() on a closed queue: open it first "
+                                   "(`async with queue:` or `await queue.open()`)")
+        if timeout == 0:  # a look, not a wait
+            info = await self.get(job_id)
+            if info is None:
+                raise JobNotFoundError(job_id)
+            if info.is_final:
+                return info
+            raise TimeoutError(f"job {job_id} is {info.status}, not final")
         loop = asyncio.get_running_loop()
         if self._waiter is None or self._waiter.loop is not loop:
             self._waiter = Waiter(self._db)

@@ -30,6 +30,9 @@ from .outcome import Outcome
 
 log = logging.getLogger("asyncjobq.completer")
 ROLE = "complete"
+# The most result JSON one flush carries (a batch is cut short past it): its one parameter
+# stays far below jsonb's 256 MiB, whatever the batch size and Queue.max_result_bytes.
+RESULT_BYTES = 16 * 2**20
 
 
 def encode_outcomes(batch: list[Outcome]) -> str:
@@ -135,6 +138,12 @@ class Completer:
 
     def _take(self) -> list[Outcome]:
         batch = self._buffer[: self._max_batch]
+        size = 0
+        for i, o in enumerate(batch):  # results: at most RESULT_BYTES a flush (one at least)
+            size += len(o.result) if o.result is not None else 0
+            if size > RESULT_BYTES and i:
+                batch = batch[:i]
+                break
         del self._buffer[: len(batch)]
         self._inflight.append(batch)
         if self._buffer:

@@ -447,7 +447,7 @@ class Fetcher:
             cur = await conn.execute(st.job_release_lost_claims, {
                 "worker": self._worker_id, "ids": [i for i, _ in keep],
                 "attempts": [a for _, a in keep], "channel": self._db.channel,
-                "counted": counted, "times": LOST_CLAIM_TIMES})
+                "done": self._db.done_channel, "counted": counted, "times": LOST_CLAIM_TIMES})
             row = await cur.fetchone()
         self._suspect = False
         ids: list[int] = list(row[0]) if row else []

@@ -8,8 +8,10 @@ import asyncio
 import logging
 import threading
 
+import psycopg
+from psycopg_pool import PoolTimeout
+
 from .._db.database import Database
-from .._db.retrying import RETRYABLE
 from ..errors import reason
 
 log = logging.getLogger("asyncjobq.worker")
@@ -35,10 +37,11 @@ class ProgressWriter:
     def put(self, job_id: int, attempt: int, value: str) -> None:
         """The latest progress of an attempt (JSON text, checked by Job.set_progress)."""
         with self._lock:
+            first = not self._pending
             self._pending[job_id, attempt] = value
         loop, wake = self._loop, self._wake
-        if loop is None or wake is None:
-            return  # written once run() starts
+        if not first or loop is None or wake is None:
+            return  # the loop was woken already, or writes once run() starts
         if threading.get_ident() == self._loop_thread:
             wake.set()
         else:
@@ -68,10 +71,14 @@ class ProgressWriter:
                     "ids": [k[0] for k in keys], "attempts": [k[1] for k in keys],
                     "values": [batch[k] for k in keys], "worker": self._worker_id})
             self.writes += 1
-        except RETRYABLE as e:
-            # Progress is a status, not a result: a value lost to an outage is replaced by
-            # the handler's next one. Values reported meanwhile are newer: they stay.
+        except (psycopg.OperationalError, PoolTimeout) as e:
+            # The database is away: written once it is back, unless the handler reported a
+            # newer value meanwhile.
             log.debug("progress of %d job(s) not written (%s)", len(batch), reason(e))
             with self._lock:
                 for k in keys:
                     self._pending.setdefault(k, batch[k])
+        except psycopg.Error as e:
+            # Refused (a revoked privilege, a read-only server...): kept, it would be refused
+            # again every second. Progress is a status: the handler's next value replaces it.
+            log.warning("progress of %d job(s) not written: %s", len(batch), reason(e))

@@ -82,8 +82,10 @@ class AdminStatements(Role):
     def job_mark_waited(self) -> Statement:
         # Queue.wait: from now on the statements that make these jobs final notify
         # <schema>_done of them (0011_results.sql). Rows already marked are not written again.
-        return _q("UPDATE {s}.jobs SET waited = true"
-                  " WHERE id = ANY(%(ids)s) AND waited IS NOT TRUE", self.schema)
+        # Rows locked in id order first, as the worker's statements lock them: no deadlock.
+        return _q("WITH l AS (SELECT id FROM {s}.jobs WHERE id = ANY(%(ids)s)"
+                  "   AND waited IS NOT TRUE ORDER BY id FOR NO KEY UPDATE)"
+                  " UPDATE {s}.jobs j SET waited = true FROM l WHERE j.id = l.id", self.schema)
 
     @cached_property
     def job_count_by_queue_status(self) -> Statement:

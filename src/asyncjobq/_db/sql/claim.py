@@ -61,6 +61,13 @@ _CLAMPED = ("CASE WHEN {0} IS NOT NULL THEN least(greatest({0}, '0001-01-01 00:0
             " '9999-12-31 00:00:00+00') END")
 
 
+# The outcomes (rows of `mine`) that move their job to history: done, cancelled, and a retry
+# or snooze of a job whose cancel was asked for (it is cancelled, not run again). The rest are
+# updated in place; every row of `mine` is one or the other, never both (a statement must not
+# modify a row twice).
+_ARCHIVED = "kind IN ('done', 'cancelled') OR (kind IN ('retry', 'snooze') AND cancel)"
+
+
 class WorkerStatements(Role):
 
     def _job_claim_update(self, next_due: str) -> str:
@@ -392,21 +399,23 @@ class WorkerStatements(Role):
         # overlapping rows in different orders deadlock (seen in the soak benchmark). Rows are
         # found by primary key (= ANY(ARRAY(...))): a join lets the planner walk every running
         # row of the table once per outcome, which made a flush of 50 cost milliseconds.
+        # `cancel`: Queue.cancel asked for the job to stop. Read here, from the locked rows,
+        # which are the newest versions: a cancel that committed after this statement's
+        # snapshot is seen (the other CTEs' scans see the snapshot's).
         " locked AS MATERIALIZED ("
-        "  SELECT j.id, j.attempts FROM {s}.jobs j"
+        "  SELECT j.id, j.attempts, j.cancel_requested_at IS NOT NULL AS cancel"
+        "  FROM {s}.jobs j"
         "  WHERE j.id = ANY(ARRAY(SELECT id FROM o))"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
         "  ORDER BY j.id FOR UPDATE OF j),"
         " mine AS MATERIALIZED ("
-        "  SELECT o.* FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
+        "  SELECT o.*, l.cancel FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
         # Done and cancelled (a cancel the worker heard of) rows move to history, with the
         # result, and the error for a cancelled one. So does a retry or snooze of a job whose
         # cancel was asked for after its handler ended: it is cancelled, not run again.
         " finished AS ("
         "  DELETE FROM {s}.jobs j"
-        "  WHERE (j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind IN ('done', 'cancelled')))"
-        "    OR j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind IN ('retry', 'snooze')))"
-        "      AND j.cancel_requested_at IS NOT NULL)"
+        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE " + _ARCHIVED + "))"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
         "  RETURNING j.*),"
         " archived AS ("
@@ -431,8 +440,8 @@ class WorkerStatements(Role):
         # A cancel asked for a job that now fails for good has nothing left to stop.
         "    locked_by = NULL, locked_at = NULL, cancel_requested_at = NULL"
         "  FROM mine m"
-        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE kind NOT IN ('done', 'cancelled')))"
-        "    AND j.id = m.id AND j.id <> ALL(ARRAY(SELECT id FROM finished))"
+        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE NOT (" + _ARCHIVED + ")))"
+        "    AND j.id = m.id"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
         "  RETURNING j.id, j.status, j.queue, j.priority, j.run_at, j.waited),"
         # Retried and snoozed rows are queued again: their queues' workers hear of them, with
@@ -508,7 +517,8 @@ class WorkerStatements(Role):
             + self._job_claim_limited(
                 next_due, "ARRAY(SELECT id FROM o ORDER BY id, attempt) AS ids,"
                 " ARRAY(SELECT attempt FROM o ORDER BY id, attempt) AS attempts,"
-                " ARRAY(SELECT kind IN ('done', 'failed') FROM o ORDER BY id, attempt) AS final",
+                " ARRAY(SELECT kind IN ('done', 'failed', 'cancelled') FROM o"
+                " ORDER BY id, attempt) AS final",
                 queue_of)
             + " SELECT true, {c} FROM claimed"
             " UNION ALL SELECT NULL, m.* FROM (" + self._held_marker(queue_of) + ") m"
@@ -577,8 +587,18 @@ class WorkerStatements(Role):
         # (fetcher.py), keep the attempt, failed once the attempts are spent: a row whose claim
         # reply never arrives would otherwise be claimed for ever. Wakes the queues' workers,
         # as the reaper does.
-        return _q(
-            "WITH released AS ("
+        # A row whose cancel was asked for meanwhile (Queue.cancel found it running; no
+        # handler of it runs) is cancelled, into history, rather than released to run.
+        unheld = ("j.status = 'running' AND j.locked_by = %(worker)s"
+                  " AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(attempts)s::int[])"
+                  "   AS h(id, attempt) WHERE h.id = j.id AND h.attempt = j.attempts)")
+        return self._compose(
+            "WITH cancelled AS (DELETE FROM {s}.jobs j WHERE " + unheld +
+            "   AND j.cancel_requested_at IS NOT NULL RETURNING j.*),"
+            " moved AS (INSERT INTO {s}.jobs_history ({h})"
+            " SELECT " + history_row("cancelled") + " FROM cancelled RETURNING id, queue, status),"
+            " counted AS (" + count_history("moved") + "),"
+            " released AS ("
             " UPDATE {s}.jobs j SET"
             "   status = CASE WHEN j.id = ANY(%(counted)s::bigint[])"
             "     AND j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END::{s}.job_status,"
@@ -591,19 +611,17 @@ class WorkerStatements(Role):
             " the reply of its claim was lost with the connection %%s times in a row', j.attempts,"
             " %(times)s::int)), 8000) ELSE j.last_error END,"
             "   locked_by = NULL, locked_at = NULL"
-            " WHERE j.status = 'running' AND j.locked_by = %(worker)s"
-            "   AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(attempts)s::int[])"
-            "     AS h(id, attempt) WHERE h.id = j.id AND h.attempt = j.attempts)"
-            " RETURNING j.id, j.queue, j.priority, j.run_at, j.status)"
+            " WHERE " + unheld + " AND j.cancel_requested_at IS NULL"
+            " RETURNING j.id, j.queue, j.priority, j.run_at, j.status, j.waited)"
             " SELECT (SELECT coalesce(array_agg(id), '{{}}') FROM released), "
             + notify_lanes("(SELECT * FROM released WHERE status = 'queued') r") + ","
             # The lanes it requeued into, [[queue, priority, earliest run_at], ...]: this
             # worker's own next claim must not wait for the notification to lower its floors.
             " (SELECT coalesce(json_agg(json_build_array(queue, priority,"
             "   extract(epoch FROM at))), '[]') FROM (SELECT queue, priority, min(run_at) AS at"
-            "   FROM released WHERE status = 'queued' GROUP BY queue, priority) l)",
-            self.schema,
-        )
+            "   FROM released WHERE status = 'queued' GROUP BY queue, priority) l), "
+            + notify_waited("(SELECT id, waited FROM released WHERE status = 'failed'"
+                            " UNION ALL SELECT id, waited FROM cancelled)"))
 
     @cached_property
     def job_move_to_task_queue(self) -> Statement:
