@@ -26,3 +26,20 @@ def test_every_statement_renders_to_one_line_without_comments_or_dollar_quotes()
 def test_rendering_keeps_what_is_quoted() -> None:
     q = rendered(sql.SQL("SELECT  'a  b',\n  \"x  y\", E'\\n'  ,  'it''s  '"))
     assert q.as_string(None) == "SELECT 'a  b', \"x  y\", E'\\n' , 'it''s  '"
+
+
+def test_a_worker_keeps_its_longest_statements_parsed() -> None:
+    """psycopg parses a text longer than its cache limit at every execute: a worker raises
+    the limit past its own statements, for the longest schema name allowed."""
+    from psycopg import _queries
+
+    from asyncjobq._db.database import LONGEST_CACHED_STATEMENT, cache_long_statements
+
+    st = statements("s" * 48)
+    longest = max(len(getattr(st, name).as_string(None).encode())
+                  for name in dir(type(st))
+                  if name.startswith("job_set_outcome_if_running_many")
+                  and isinstance(getattr(type(st), name), cached_property))
+    assert longest <= LONGEST_CACHED_STATEMENT, longest
+    cache_long_statements()
+    assert _queries.MAX_CACHED_STATEMENT_LENGTH >= LONGEST_CACHED_STATEMENT

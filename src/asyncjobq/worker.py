@@ -26,6 +26,7 @@ from psycopg_pool import PoolTimeout
 from . import metrics, tracing
 from ._checks import check_name, check_positive, check_queue_name, int_between, is_number
 from ._db import migrations
+from ._db.database import cache_long_statements
 from ._maintenance.leader import Elector
 from ._maintenance.pruner import Pruner
 from ._maintenance.reaper import Reaper
@@ -236,6 +237,7 @@ class Worker:
         # A schedule whose task is missing fails now, not at its first tick.
         schedules = self.queue.check_schedules()
         self._threads = ThreadRunner(f"asyncjobq-{self.id}")
+        cache_long_statements()
         await self.queue.open()
         async with self.queue.connection() as conn:
             await migrations.check(conn, self.queue.schema)

@@ -207,14 +207,16 @@ class Completer:
             "channel": self._db.channel,
             "done": self._db.done_channel,
         }
-        claim = self._fetcher.fold() if fold and self._fetcher is not None else None
+        # Done without a result, or failed: the flush needs no join with its outcomes.
+        plain = all(o.result is None and (o.kind == "done" or o.kind == "failed") for o in batch)
+        claim = self._fetcher.fold(plain) if fold and self._fetcher is not None else None
         written = False
         started = time.monotonic() if self._on_flushed is not None else 0.0
         try:
             conn_cm = own.connection() if own is not None else self._db.connection()
             async with conn_cm as conn:
                 if claim is None:
-                    accepted = await self._set_outcomes(conn, params)
+                    accepted = await self._set_outcomes(conn, params, plain)
                 else:
                     accepted = await self._set_outcomes_then_claim(conn, params, claim)
             written = True
@@ -235,8 +237,9 @@ class Completer:
         self._on_written([o for o in batch if o.job_id in accepted])
 
     async def _set_outcomes(self, conn: AsyncConnection[Any], params: dict[str, object],
-                            ) -> set[int]:
-        cur = await conn.execute(self._db.sql.job_set_outcome_if_running_many, params)
+                            plain: bool = False) -> set[int]:
+        st = self._db.sql_plain if plain else self._db.sql
+        cur = await conn.execute(st.job_set_outcome_if_running_many, params)
         return {int(r[0]) for r in await cur.fetchall()}
 
     async def _set_outcomes_then_claim(

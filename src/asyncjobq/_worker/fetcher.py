@@ -351,10 +351,11 @@ class Fetcher:
 
     # --- claims folded into the completer's flushes --------------------------------------
 
-    def fold(self) -> FoldedClaim | None:
+    def fold(self, plain: bool = False) -> FoldedClaim | None:
         """A claim for the completer to add to its flush, its slots reserved until
         folded_claimed() or folded_failed(); None when nothing should be claimed now
-        (stopping, or no free slot).
+        (stopping, or no free slot). `plain`: the flush's outcomes are done without results,
+        or failed (sql/claim.py, plain_outcomes).
         """
         if self.stopping or self._suspect or self._narrow:
             return None
@@ -362,7 +363,7 @@ class Fetcher:
         if limit <= 0:
             return None
         self._reserved += limit
-        st = self._db.sql
+        st = self._db.sql_plain if plain else self._db.sql
         # Lanes not known yet: this claim walks them from their start, the fetcher's own next
         # claim discovers them.
         query, params, token = self._choose(

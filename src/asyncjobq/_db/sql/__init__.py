@@ -30,8 +30,11 @@ __all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition"
 class Statements(EnqueueStatements, WorkerStatements, MaintenanceStatements, AdminStatements,
                  DoctorStatements, BrowseStatements, TestingStatements):
     schema: str
+    plain_outcomes: bool = False
 
 
 @cache
-def statements(schema: str) -> Statements:
-    return Statements(schema)
+def statements(schema: str, plain_outcomes: bool = False) -> Statements:
+    """The statements of `schema`; `plain_outcomes`: the worker's flush of batches whose every
+    outcome is done without a result, or failed (claim.py, WorkerStatements._OUTCOME_CTES)."""
+    return Statements(schema, plain_outcomes)

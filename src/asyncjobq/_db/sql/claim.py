@@ -382,7 +382,7 @@ class WorkerStatements(Role):
     # (status, locked_by, attempts): a worker presumed dead cannot overwrite a newer attempt.
     # `done` rows move to jobs_history; the rest are updated in place. The accepted ids come
     # back from `archived` and `updated`; the caller logs the refused ones.
-    _OUTCOME_CTES = (
+    _OUTCOME_TEMPLATE = (
         # One JSON parameter, [[id, attempt, kind, delay, error], ...]: one encoder call in
         # the worker, where five arrays cost psycopg's per-element array dumping.
         # `status::text = 'running'` here, in the heartbeat and in the move of a misplaced
@@ -408,52 +408,60 @@ class WorkerStatements(Role):
         "  WHERE j.id = ANY(ARRAY(SELECT id FROM o))"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
         "  ORDER BY j.id FOR UPDATE OF j),"
+        # `arch`: the outcome moves its job to history (_ARCHIVED); the others update it.
         " mine AS MATERIALIZED ("
-        "  SELECT o.*, l.cancel FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
+        "  SELECT o.*, " + _ARCHIVED + " AS arch"
+        "  FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
         # Done and cancelled (a cancel the worker heard of) rows move to history, with the
         # result, and the error for a cancelled one. So does a retry or snooze of a job whose
         # cancel was asked for after its handler ended: it is cancelled, not run again.
         " finished AS ("
         "  DELETE FROM {s}.jobs j"
-        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE " + _ARCHIVED + "))"
+        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE arch))"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
-        "  RETURNING j.*),"
-        " archived AS ("
-        "  INSERT INTO {s}.jobs_history ({h}, result)"
-        " SELECT " + history_row("", status_sql=(
-            "(CASE WHEN m.kind = 'done' THEN 'done' ELSE 'cancelled' END)::{s}.job_status"),
-            last_error=(
-            "CASE WHEN m.error IS NULL THEN last_error"
-            " ELSE right(concat_ws(E'\\n', last_error, m.error), 8000) END")) +
-        "  , m.result FROM finished JOIN mine m USING (id) RETURNING id, queue, status),"
+        # Jobs made final that a Queue.wait looks for: their ids to <schema>_done.
+        "  RETURNING j.*, CASE WHEN j.waited THEN pg_notify(%(done)s, j.id::text) END),"
+        " archived AS ({archived}),"
         " counted AS (" + count_history("archived") + "),"
         " updated AS ("
+        # Written short: past 4,096 bytes psycopg parses a statement's text anew at every
+        # execute (common.rendered), 22 us a flush for this one.
         "  UPDATE {s}.jobs j SET"
-        "    status = CASE WHEN m.kind = 'failed' THEN 'failed'"
-        "                  ELSE 'queued' END::{s}.job_status,"
-        "    run_at = CASE WHEN m.kind = 'failed' THEN j.run_at"
-        "                  ELSE now() + make_interval(secs => m.delay) END,"
-        "    max_attempts = j.max_attempts + CASE WHEN m.kind = 'snooze' THEN 1 ELSE 0 END,"
-        "    last_error = CASE WHEN m.error IS NULL THEN j.last_error"
-        "                      ELSE right(concat_ws(E'\\n', j.last_error, m.error), 8000) END,"
-        "    finished_at = CASE WHEN m.kind = 'failed' THEN now() END,"
+        "    status = CASE m.kind WHEN 'failed' THEN 'failed' ELSE 'queued' END::{s}.job_status,"
+        "    run_at = CASE m.kind WHEN 'failed' THEN j.run_at"
+        "             ELSE now() + make_interval(secs => m.delay) END,"
+        "    max_attempts = j.max_attempts + (m.kind = 'snooze')::int,"
+        "    last_error = nullif(right(concat_ws(E'\\n', j.last_error, m.error), 8000), ''),"
+        "    finished_at = CASE m.kind WHEN 'failed' THEN now() END,"
         # A cancel asked for a job that now fails for good has nothing left to stop.
         "    locked_by = NULL, locked_at = NULL, cancel_requested_at = NULL"
         "  FROM mine m"
-        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE NOT (" + _ARCHIVED + ")))"
-        "    AND j.id = m.id"
+        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE NOT arch)) AND j.id = m.id"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
-        "  RETURNING j.id, j.status, j.queue, j.priority, j.run_at, j.waited),"
+        "  RETURNING j.id, j.status, j.queue, j.priority, j.run_at,"
+        "    CASE WHEN j.waited AND m.kind = 'failed' THEN pg_notify(%(done)s, j.id::text) END),"
         # Retried and snoozed rows are queued again: their queues' workers hear of them, with
         # their lanes (a floor above them is lowered). Referenced by every statement below as
         # a branch that returns no row, so that it is evaluated.
-        # Jobs made final here that someone waits for: their ids to <schema>_done.
         " requeued AS (SELECT " + notify_lanes("(SELECT * FROM updated WHERE status = 'queued') u")
-        + " AS n, " + notify_waited(
-            "(SELECT id, waited FROM finished UNION ALL"
-            " SELECT id, waited FROM updated WHERE status = 'failed')") + " AS w)"
+        + " AS n)"
     )
     _REQUEUED_NONE = " UNION ALL SELECT {nulls} FROM requeued WHERE n < 0"
+
+    @property
+    def _OUTCOME_CTES(self) -> str:
+        # Plain (Statements.plain_outcomes): for a batch of done outcomes without results and
+        # of failures, the history row is the job's as it was, done: no join with the
+        # outcomes, which cost a flush ~6 % of its server time (benchmarks/results/WAITS.md).
+        archived = (
+            "  INSERT INTO {s}.jobs_history ({h}) SELECT " + history_row("done")
+            + " FROM finished RETURNING id, queue, status") if self.plain_outcomes else (
+            "  INSERT INTO {s}.jobs_history ({h}, result)"
+            " SELECT " + history_row("", status_sql=(
+                "CASE m.kind WHEN 'done' THEN 'done' ELSE 'cancelled' END::{s}.job_status"),
+                last_error="nullif(right(concat_ws(E'\\n', last_error, m.error), 8000), '')")
+            + "  , m.result FROM finished JOIN mine m USING (id) RETURNING id, queue, status")
+        return self._OUTCOME_TEMPLATE.replace("{archived}", archived)
 
     @cached_property
     def job_set_outcome_if_running_many(self) -> Statement:
@@ -473,9 +481,9 @@ class WorkerStatements(Role):
             "WITH " + self._OUTCOME_CTES
             + ", claimed AS (" + self._job_claim_update(next_due) + ")"
             " SELECT true, {c} FROM claimed"
-            f" UNION ALL SELECT false, id{nulls} FROM archived"
-            f" UNION ALL SELECT false, id{nulls} FROM updated"
-            + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
+            f" UNION ALL SELECT false, id{nulls}"
+            " FROM (SELECT id FROM archived UNION ALL SELECT id FROM updated"
+            "  UNION ALL SELECT NULL FROM requeued WHERE n < 0) a")
 
     def _job_set_outcome_then_claim_from_floors(self, one_queue: bool) -> Statement:
         # As above, the claim from floors; its floors marker row comes with NULL first.

@@ -133,6 +133,8 @@ class Role:
     """Statements of one role; Statements (this package) puts the roles together."""
 
     schema: str
+    # The worker's flush for batches that need no join with their outcomes (claim.py).
+    plain_outcomes: bool = False
 
     def _compose(self, template: str) -> sql.SQL:
         return rendered(sql.SQL(template).format(
