@@ -83,6 +83,31 @@ async def test_sigkilled_worker_job_is_reaped_and_completed_elsewhere(
         stop_all(procs)
 
 
+@pytest.mark.timeout(120)
+async def test_a_cancel_for_a_sigkilled_workers_job_takes_effect_when_it_is_reaped(
+        claims_queue: Queue, pg_dsn: str) -> None:
+    """Queue.cancel of a job whose worker was killed: nobody hears it, the reaper cancels the
+    job when its lease runs out, and it never runs again."""
+    q = claims_queue
+    job_id = await q.enqueue("sleep", {"seconds": 60})
+    a = spawn_worker(pg_dsn, q.schema, "--lease", "2")
+    procs = [a]
+    try:
+        await wait_for(lambda: fetchval(q, "SELECT count(*) = 1 FROM {s}.claims"), timeout=30,
+                       what="worker A running the job")
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(timeout=10)
+        assert await q.cancel(job_id)
+        b = spawn_worker(pg_dsn, q.schema, "--lease", "2")
+        procs.append(b)
+        info = await q.wait(job_id, timeout=60)
+        assert info.status == "cancelled" and info.attempts == 1, info
+        assert "cancelled, as asked" in (info.last_error or "")
+        assert await fetchval(q, "SELECT count(*) FROM {s}.claims") == 1  # no rerun
+    finally:
+        stop_all(procs)
+
+
 async def status_is(q: Queue, job_id: int, status: str) -> bool:
     info = await q.get(job_id)
     return info is not None and info.status == status

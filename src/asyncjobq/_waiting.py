@@ -84,6 +84,9 @@ class Waiter:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise asyncio.CancelledError  # the caller's own cancel, not the loop's
 
     # --- the loop --------------------------------------------------------------------------
 

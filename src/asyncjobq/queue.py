@@ -460,6 +460,11 @@ class Queue:
                 await waiter.close()
         await self.hooks.settle(timeout=self.hooks.timeout)  # on_enqueued calls still running
         await self._db.close()
+        # A wait begun while the hooks settled made a waiter of its own: it ends too.
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            with contextlib.suppress(RuntimeError):
+                await waiter.close()
 
     async def __aenter__(self) -> Queue:
         await self.open()

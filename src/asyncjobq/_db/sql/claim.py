@@ -596,13 +596,19 @@ class WorkerStatements(Role):
         # reply never arrives would otherwise be claimed for ever. Wakes the queues' workers,
         # as the reaper does.
         # A row whose cancel was asked for meanwhile (Queue.cancel found it running; no
-        # handler of it runs) is cancelled, into history, rather than released to run.
+        # handler of it runs) is cancelled, into history, rather than released to run. The
+        # rows are locked first, in id order as every worker statement locks them, and the
+        # cancel read from the locked (newest) versions: a cancel committed after this
+        # statement's snapshot is neither missed by the one nor refused by the other.
         unheld = ("j.status = 'running' AND j.locked_by = %(worker)s"
                   " AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(attempts)s::int[])"
                   "   AS h(id, attempt) WHERE h.id = j.id AND h.attempt = j.attempts)")
         return self._compose(
-            "WITH cancelled AS (DELETE FROM {s}.jobs j WHERE " + unheld +
-            "   AND j.cancel_requested_at IS NOT NULL RETURNING j.*),"
+            "WITH l AS MATERIALIZED (SELECT j.id, j.cancel_requested_at IS NOT NULL AS cancel"
+            "   FROM {s}.jobs j WHERE " + unheld + " ORDER BY j.id FOR UPDATE OF j),"
+            " cancelled AS (DELETE FROM {s}.jobs j"
+            "   WHERE j.id = ANY(ARRAY(SELECT id FROM l WHERE cancel)) AND " + unheld +
+            "   RETURNING j.*),"
             " moved AS (INSERT INTO {s}.jobs_history ({h})"
             " SELECT " + history_row("cancelled") + " FROM cancelled RETURNING id, queue, status),"
             " counted AS (" + count_history("moved") + "),"
@@ -619,7 +625,7 @@ class WorkerStatements(Role):
             " the reply of its claim was lost with the connection %%s times in a row', j.attempts,"
             " %(times)s::int)), 8000) ELSE j.last_error END,"
             "   locked_by = NULL, locked_at = NULL"
-            " WHERE " + unheld + " AND j.cancel_requested_at IS NULL"
+            " WHERE j.id = ANY(ARRAY(SELECT id FROM l WHERE NOT cancel)) AND " + unheld +
             " RETURNING j.id, j.queue, j.priority, j.run_at, j.status, j.waited)"
             " SELECT (SELECT coalesce(array_agg(id), '{{}}') FROM released), "
             + notify_lanes("(SELECT * FROM released WHERE status = 'queued') r") + ","
