@@ -56,19 +56,26 @@ async def test_four_processes_never_double_claim(claims_queue: Queue, pg_dsn: st
         stop_all(procs)
 
 
+async def killed_while_running(q: Queue, pg_dsn: str, procs: list[Any]) -> Any:
+    """Worker A (lease 2 s) claims the one job enqueued and is SIGKILLed while it runs it."""
+    a = spawn_worker(pg_dsn, q.schema, "--lease", "2")
+    procs.append(a)
+    await wait_for(lambda: fetchval(q, "SELECT count(*) = 1 FROM {s}.claims"), timeout=30,
+                   what="worker A running the job")
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait(timeout=10)
+    return a
+
+
 @pytest.mark.fleet
 @pytest.mark.timeout(120)
 async def test_sigkilled_worker_job_is_reaped_and_completed_elsewhere(
         claims_queue: Queue, pg_dsn: str) -> None:
     q = claims_queue
     job_id = await q.enqueue("sleep", {"by_attempt": [60, 0.1]})
-    a = spawn_worker(pg_dsn, q.schema, "--lease", "2")
-    procs = [a]
+    procs: list[Any] = []
     try:
-        await wait_for(lambda: fetchval(q, "SELECT count(*) = 1 FROM {s}.claims"), timeout=30,
-                       what="worker A running the job")
-        os.kill(a.pid, signal.SIGKILL)
-        a.wait(timeout=10)
+        a = await killed_while_running(q, pg_dsn, procs)
         assert (await q.get(job_id)).status == "running"  # type: ignore[union-attr]
         b = spawn_worker(pg_dsn, q.schema, "--lease", "2")
         procs.append(b)
@@ -90,13 +97,9 @@ async def test_a_cancel_for_a_sigkilled_workers_job_takes_effect_when_it_is_reap
     job when its lease runs out, and it never runs again."""
     q = claims_queue
     job_id = await q.enqueue("sleep", {"seconds": 60})
-    a = spawn_worker(pg_dsn, q.schema, "--lease", "2")
-    procs = [a]
+    procs: list[Any] = []
     try:
-        await wait_for(lambda: fetchval(q, "SELECT count(*) = 1 FROM {s}.claims"), timeout=30,
-                       what="worker A running the job")
-        os.kill(a.pid, signal.SIGKILL)
-        a.wait(timeout=10)
+        await killed_while_running(q, pg_dsn, procs)
         assert await q.cancel(job_id)
         b = spawn_worker(pg_dsn, q.schema, "--lease", "2")
         procs.append(b)
