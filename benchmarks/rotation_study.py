@@ -17,6 +17,8 @@ per statement, finished rows moved to a history table), without its workers:
 - `direct`: as `rotated`, but the claim and the completion name one partition (`jobs_<gen>`),
   the older generations first, a generation found empty tried again after a second.
 - `hybrid`: as `rotated`, the completion addressed as in `direct`.
+- `union`: the claim one statement over every generation's partition by name, the queue's
+  priorities kept across them (union_claim_sql); the completion as in `direct`.
 
 Pressure as `benchmarks/pinned.py`'s `idle`: a transaction that wrote a row to a table of its
 own sits idle for `--pin` seconds. Figures per phase: finished jobs/s against offered, backlog,
@@ -96,6 +98,27 @@ UPDATE {S}.jobs j SET status = 'running', locked_at = now(), attempts = attempts
   FROM c WHERE {match} RETURNING j.{key.replace(', ', ', j.')}"""
 
 
+def union_claim_sql() -> str:
+    """`union`: one statement over every generation, each partition named: the best `limit`
+    rows of each (locked, SKIP LOCKED), the best `limit` of those in the queue's order, each
+    updated in its own partition. The queue's priorities hold across generations; rows locked
+    and not picked are free again at the statement's commit."""
+    # FOR UPDATE is refused in a UNION's branch: each partition's rows in a CTE of their own.
+    locked = ", ".join(
+        f"c{g} AS (SELECT {g} AS g, id, priority, run_at FROM {S}.jobs_{g}"
+        f" WHERE queue = 'default' AND status = 'queued' AND run_at <= now()"
+        f" ORDER BY priority DESC, run_at, id LIMIT %(n)s FOR NO KEY UPDATE SKIP LOCKED)"
+        for g in range(3))
+    updates = ", ".join(
+        f"u{g} AS (UPDATE {S}.jobs_{g} j SET status = 'running', locked_at = now(),"
+        f" attempts = attempts + 1 WHERE j.id = ANY(ARRAY(SELECT id FROM pick WHERE g = {g}))"
+        f" RETURNING j.id, {g} AS g)" for g in range(3))
+    return (f"WITH {locked}, pick AS MATERIALIZED (SELECT g, id FROM (SELECT * FROM c0"
+            " UNION ALL SELECT * FROM c1 UNION ALL SELECT * FROM c2) c"
+            f" ORDER BY priority DESC, run_at, id LIMIT %(n)s), {updates}"
+            " SELECT * FROM u0 UNION ALL SELECT * FROM u1 UNION ALL SELECT * FROM u2")
+
+
 def complete_sql(layout: str, gen: int | None = None) -> str:
     if gen is not None:
         return f"""
@@ -145,6 +168,23 @@ class Study:
                 if delay > 0:
                     await asyncio.sleep(delay)
 
+    async def union_claimer(self, until_empty: bool = False) -> None:
+        claim = union_claim_sql()
+        completes = {g: complete_sql("direct", g) for g in range(3)}
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                rows = await (await c.execute(claim, {"n": self.a.batch})).fetchall()
+                self.claims.append((time.time(), time.monotonic() - t0))
+                if not rows:
+                    if until_empty:
+                        return
+                    await asyncio.sleep(0.01)
+                    continue
+                for g in {r[1] for r in rows}:
+                    await c.execute(completes[g], ([r[0] for r in rows if r[1] == g],))
+                self.done += len(rows)
+
     async def direct_claimer(self, until_empty: bool = False) -> None:
         """Claims from one generation's partition at a time, the older first; a
         generation found empty is tried again only after a second (the current
@@ -183,6 +223,8 @@ class Study:
         layout = self.a.layout
         if layout == "direct":
             return await self.direct_claimer(until_empty)
+        if layout == "union":
+            return await self.union_claimer(until_empty)
         claim, complete = claim_sql(layout), complete_sql(layout)
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
             while not self.stop.is_set():
@@ -330,7 +372,8 @@ SELECT id, {S}.gen_now(), queue, task, payload, status, priority, run_at, attemp
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layout", choices=["plain", "rotated", "direct", "hybrid"], required=True)
+    p.add_argument("--layout", required=True,
+                   choices=["plain", "rotated", "direct", "hybrid", "union"])
     p.add_argument("--rate", type=int, default=2000)
     p.add_argument("--claimers", type=int, default=4)
     p.add_argument("--batch", type=int, default=10)
