@@ -430,7 +430,11 @@ class Worker:
                             duration=time.monotonic() - running.started)
             self._running.finish(running)
             if outcome is not None:
-                self.completer.add(outcome)
+                # The last handler running, and the last claim found the queue empty: no
+                # outcome will join this one soon, so it is written now, not after
+                # flush_interval (a Queue.wait on the job returns that much sooner). While
+                # claims come back full, outcomes are batched as before.
+                self.completer.add(outcome, last=not self._running and self.fetcher.found_less)
             self.fetcher.release_slot()
 
     def _claimed(self, jobs: list[Job]) -> None:

@@ -110,11 +110,14 @@ class Completer:
         """Outcomes not written yet: their jobs still count against the worker's slots."""
         return len(self._buffer) + sum(len(b) for b in self._inflight)
 
-    def add(self, outcome: Outcome) -> None:
+    def add(self, outcome: Outcome, *, last: bool = False) -> None:
+        """Buffer an outcome. `last`: no other handler of the worker is running, so no other
+        outcome can join this batch before a new claim: waiting `flush_interval` for company
+        would only delay it (and a `Queue.wait` on its job)."""
         if not self._buffer:
             self._first_at = time.monotonic()
         self._buffer.append(outcome)
-        if outcome.task in self._urgent:
+        if last or outcome.task in self._urgent:
             self._first_at = -math.inf  # due now
             if self._waiters:
                 self._signal()

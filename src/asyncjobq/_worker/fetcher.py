@@ -126,6 +126,9 @@ class Fetcher:
         self._db = db
         self._worker_id = worker_id
         self._control = control  # lent to each Job (cancel_requested, set_progress)
+        # The last claim found fewer jobs than it asked for: nothing more is due now, as far
+        # as it saw (the completer then writes a lone outcome at once, worker.py).
+        self.found_less = True
         # Unique: a queue named twice would fill half of each claim with the same rows.
         self._queues = list(dict.fromkeys(queues))
         self._batch_size = batch_size
@@ -379,6 +382,7 @@ class Fetcher:
     def folded_claimed(self, rows: Sequence[Sequence[Any]], claim: FoldedClaim) -> None:
         jobs = self._jobs(rows, claim.token)
         self._reserved -= claim.reserved
+        self.found_less = len(jobs) < claim.reserved
         self._hand_out(jobs)
 
     def _hand_out(self, jobs: list[Job]) -> None:
@@ -510,6 +514,7 @@ class Fetcher:
                 continue
             # Even when stop() came during the claim, these jobs are ours now: dispatch them so
             # that shutdown finishes or releases them like any other.
+            self.found_less = len(jobs) < limit
             self._hand_out(jobs)
             if len(jobs) < limit and not self.stopping:
                 await self.wakeup.wait(self._poll_interval)
