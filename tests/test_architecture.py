@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("asyncjobq.metrics", "asyncjobq.tracing")),
     ("public API", ("asyncjobq.queue", "asyncjobq.worker", "asyncjobq")),
     ("tools", ("asyncjobq.cli", "asyncjobq.doctor", "asyncjobq.demo", "asyncjobq.runtime",
+               "asyncjobq.logs",
                "asyncjobq.__main__", "asyncjobq.testing", "asyncjobq.pytest_plugin",
                "asyncjobq.dashboard")),
 ]

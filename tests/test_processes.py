@@ -3,6 +3,7 @@ SIGKILL, SIGTERM and a PostgreSQL restart."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -109,6 +110,32 @@ async def test_a_cancel_for_a_sigkilled_workers_job_takes_effect_when_it_is_reap
         assert await fetchval(q, "SELECT count(*) FROM {s}.claims") == 1  # no rerun
     finally:
         stop_all(procs)
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_logs_json_lines_naming_the_job(claims_queue: Queue, pg_dsn: str) -> None:
+    q = claims_queue
+    said = await q.enqueue("say", {"word": "hello"})
+    unknown = await q.enqueue("no_such_task", {})
+    w = spawn_worker(pg_dsn, q.schema, "--log-format", "json", "--log-level", "info")
+    try:
+        for job_id in (said, unknown):
+            await q.wait(job_id, timeout=60)
+        w.send_signal(signal.SIGTERM)
+        _, err = w.communicate(timeout=60)
+    finally:
+        stop_all([w])
+    lines = [json.loads(line) for line in err.splitlines()]  # every line is one object
+    assert lines and all({"ts", "level", "logger", "message"} <= set(x) for x in lines)
+    worker_id = next(x["worker"] for x in lines if "worker" in x)
+    assert all(x.get("worker") == worker_id for x in lines if x["logger"].startswith("asyncjobq"))
+    # The handler's own line, from its thread, and the worker's line about the unknown task.
+    (own,) = [x for x in lines if x["logger"] == "testapp"]
+    assert (own["message"], own["job_id"], own["task"], own["queue"], own["attempt"]) == (
+        "saying hello", said, "say", "default", 1)
+    (failed,) = [x for x in lines if "unknown task" in x["message"]]
+    assert (failed["job_id"], failed["task"], failed["level"]) == (
+        unknown, "no_such_task", "warning")
 
 
 async def status_is(q: Queue, job_id: int, status: str) -> bool:

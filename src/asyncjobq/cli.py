@@ -37,6 +37,7 @@ from .errors import (
     a_or_an,
     reason,
 )
+from .logs import JsonFormatter
 from .queue import Queue
 from .worker import Worker
 
@@ -133,14 +134,20 @@ def _db_options(fn: F) -> F:
     return fn
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: str, log_format: str = "text") -> JsonFormatter | None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    formatter = None
+    if log_format == "json":
+        formatter = JsonFormatter()
+        for handler in logging.root.handlers:
+            handler.setFormatter(formatter)
     # pgserver narrates every start of the embedded server at INFO (pg_ctl's argv, its stdout):
     # a page of noise above the worker's first line. asyncjobq says in one line which server
     # it uses; pgserver's warnings and errors still show, and all of it at --log-level debug.
     if logging.root.level > logging.DEBUG:
         logging.getLogger("pgserver").setLevel(logging.WARNING)
+    return formatter
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -234,6 +241,9 @@ def load_checked_app(app: str) -> Queue:
 @click.option("--no-listen", is_flag=True, help="Poll only; no LISTEN connection.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="json: one object per line, with job_id, task, queue, "
+              "attempt and worker where they apply.")
 @click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
               help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
@@ -244,10 +254,10 @@ def load_checked_app(app: str) -> Queue:
 @_guard
 def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | None, lease: float,
            poll_interval: float, shutdown_timeout: float, name: str | None, no_listen: bool,
-           log_level: str, dsn: str | None, metrics_port: int | None,
+           log_level: str, log_format: str, dsn: str | None, metrics_port: int | None,
            metrics_host: str) -> None:
     """Run a worker for APP (module:attribute naming a Queue) until SIGTERM/SIGINT."""
-    _setup_logging(log_level)
+    formatter = _setup_logging(log_level, log_format)
     queue = load_checked_app(app)
     if dsn:
         queue.set_dsn(dsn)
@@ -258,6 +268,8 @@ def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | Non
                lease=lease, poll_interval=poll_interval, shutdown_timeout=shutdown_timeout,
                name=name, listen=not no_listen, metrics_port=metrics_port,
                metrics_host=metrics_host)
+    if formatter is not None:
+        formatter.worker = w.id
     try:
         runtime.run(_run_worker, w)
     except MetricsPortInUseError as e:

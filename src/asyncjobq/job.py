@@ -4,6 +4,7 @@ handlers may raise."""
 from __future__ import annotations
 
 import json
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -109,6 +110,22 @@ class Job:
         c = self.control
         if c is not None:
             c.set_progress(self.id, self.attempt, text)
+
+
+# The job whose handler runs in this context (set by the worker for each attempt's task, and
+# carried into a sync handler's thread): log lines say which job they are about
+# (asyncjobq.logs).
+current_job: ContextVar[Job | None] = ContextVar("asyncjobq_current_job", default=None)
+
+
+def log_fields(job_id: int, task: str | None = None, queue: str | None = None,
+               attempt: int | None = None) -> dict[str, object]:
+    """`extra=` for a log line about a job, written outside its handler's context."""
+    fields: dict[str, object] = {"job_id": job_id}
+    for name, value in (("task", task), ("queue", queue), ("attempt", attempt)):
+        if value is not None:
+            fields[name] = value
+    return fields
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from ._worker.progress import ProgressWriter
 from ._worker.running import Running
 from ._worker.threads import ThreadRunner
 from .errors import ConfigurationError, reason
-from .job import Job
+from .job import Job, current_job
 from .queue import Queue
 
 log = logging.getLogger("asyncjobq.worker")
@@ -408,6 +408,7 @@ class Worker:
     async def _execute(self, running: RunningJob) -> None:
         running.begun = True
         job = running.job
+        current_job.set(job)  # this task's own context: its log lines name the job
         assert self.completer is not None and self.fetcher is not None
         outcome: Outcome | None = None
         hooks = self.queue.hooks if self.queue.hooks.active else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -55,3 +56,9 @@ def block_sync_job(job: Job) -> None:
             sql.SQL("INSERT INTO {}.claims (job_id, attempt, pid, worker) VALUES (%s, %s, %s, %s)")
             .format(sql.Identifier(queue.schema)), (job.id, job.attempt, os.getpid(), job.worker))
     time.sleep(float(job.payload.get("seconds", 1)))
+
+
+@queue.task(name="say")
+def say_job(job: Job) -> None:
+    """A plain `def` handler that logs a line of its own: asyncjobq.logs names its job."""
+    logging.getLogger("testapp").warning("saying %s", job.payload.get("word", "hi"))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from .._db.database import Database
 from ..hooks import Hooks
+from ..job import log_fields
 from .services import Service
 
 log = logging.getLogger("asyncjobq.reaper")
@@ -65,9 +66,10 @@ class Reaper(Service):
                                             "channel": self._db.channel,
                                             "done": self._db.done_channel})
                     rows = [r for r in await cur.fetchall() if r[0] is not None]
-                for job_id, status, _queue, task, worker in rows:
+                for job_id, status, queue, task, worker in rows:
                     log.warning("job %s (%s): lease expired (worker %s stopped heartbeating); "
-                                "%s", job_id, task, worker, _REAPED_AS.get(status, status))
+                                "%s", job_id, task, worker, _REAPED_AS.get(status, status),
+                                extra=log_fields(job_id, task, queue))
                 ids = [int(r[0]) for r in rows]
                 total.extend(ids)
                 self.reaped += len(rows)

@@ -25,6 +25,7 @@ from .._checks import storable_text
 from .._db.database import Database
 from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, RetryPolicy
+from ..job import log_fields
 from .fetcher import Fetcher, FoldedClaim
 from .outcome import Outcome
 
@@ -234,7 +235,8 @@ class Completer:
                 log.warning(
                     "job %s (%s) attempt %s: outcome %r refused, the job is no longer held "
                     "by this worker (its lease expired and it was reaped); another attempt "
-                    "owns it now", o.job_id, o.task or "?", o.attempt, o.kind)
+                    "owns it now", o.job_id, o.task or "?", o.attempt, o.kind,
+                    extra=log_fields(o.job_id, o.task or None, attempt=o.attempt))
         if self._on_flushed is not None:
             self._on_flushed(time.monotonic() - started)
         self._on_written([o for o in batch if o.job_id in accepted])

@@ -35,7 +35,7 @@ from typing import Any
 
 import anyio
 
-from ..job import Job
+from ..job import Job, log_fields
 from .executor import CANCEL_REQUESTED, RunningJob
 
 # The worker's own messages, under the logger its users already filter on.
@@ -46,6 +46,12 @@ Key = tuple[int, int]  # (job id, attempt)
 # Let-go jobs are left to the reaper for this many leases; by then it has long since taken
 # them (a lease after their last beat, plus a reaper turn).
 LET_GO_LEASES = 10
+
+
+def _fields(r: RunningJob) -> dict[str, object]:
+    """A log line's job fields (asyncjobq.logs), for lines about a job written on the loop."""
+    job = r.job
+    return log_fields(job.id, job.task, job.queue, job.attempt)
 
 
 class Running:
@@ -151,7 +157,7 @@ class Running:
                 self._let_go[key] = time.monotonic()
                 log.warning("job %s (%s) attempt %s: lease lost (reaped while running); "
                             "cancelling the handler, its outcome will not be written", key[0],
-                            r.job.task, key[1])
+                            r.job.task, key[1], extra=_fields(r))
                 r.cancel("lease lost")
 
     def cancel_requested(self, ids: set[int] | None = None, keys: set[Key] | None = None,
@@ -164,7 +170,7 @@ class Running:
             if (ids is not None and key[0] in ids) or (keys is not None and key in keys):
                 if r.cancel_reason is None:
                     log.info("job %s (%s) attempt %s: cancel requested; cancelling the handler",
-                             key[0], r.job.task, key[1])
+                             key[0], r.job.task, key[1], extra=_fields(r))
                     r.cancel(CANCEL_REQUESTED)
 
     def cut_off(self, silent_for: float) -> None:
@@ -178,5 +184,6 @@ class Running:
                 self._let_go[job_id, attempt] = time.monotonic()
                 log.warning("job %s (%s) attempt %s: no heartbeat has reached the database for "
                             "%.0f s (lease %.0f s); presuming the lease lost and cancelling the "
-                            "handler", job_id, r.job.task, attempt, silent_for, self._lease)
+                            "handler", job_id, r.job.task, attempt, silent_for, self._lease,
+                            extra=_fields(r))
                 r.cancel("lease lost")
