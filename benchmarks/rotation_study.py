@@ -168,9 +168,16 @@ class Study:
                 if delay > 0:
                     await asyncio.sleep(delay)
 
+    async def complete_by_gen(self, c: psycopg.AsyncConnection[Any],
+                              rows: list[Any]) -> None:
+        """Complete claimed (id, gen) rows, one statement per generation, each naming its
+        partition (the `direct` completion)."""
+        for g in {r[1] for r in rows}:
+            await c.execute(complete_sql("direct", g), ([r[0] for r in rows if r[1] == g],))
+        self.done += len(rows)
+
     async def union_claimer(self, until_empty: bool = False) -> None:
         claim = union_claim_sql()
-        completes = {g: complete_sql("direct", g) for g in range(3)}
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
             while not self.stop.is_set():
                 t0 = time.monotonic()
@@ -181,16 +188,13 @@ class Study:
                         return
                     await asyncio.sleep(0.01)
                     continue
-                for g in {r[1] for r in rows}:
-                    await c.execute(completes[g], ([r[0] for r in rows if r[1] == g],))
-                self.done += len(rows)
+                await self.complete_by_gen(c, rows)
 
     async def direct_claimer(self, until_empty: bool = False) -> None:
         """Claims from one generation's partition at a time, the older first; a
         generation found empty is tried again only after a second (the current
         one always)."""
         claims = {g: claim_sql("direct", g) for g in range(3)}
-        completes = {g: complete_sql("direct", g) for g in range(3)}
         empty_at = {g: -1e9 for g in range(3)}
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
             while not self.stop.is_set():
@@ -215,9 +219,7 @@ class Study:
                         return
                     await asyncio.sleep(0.01)
                     continue
-                for g in {r[1] for r in rows}:
-                    await c.execute(completes[g], ([r[0] for r in rows if r[1] == g],))
-                self.done += len(rows)
+                await self.complete_by_gen(c, rows)
 
     async def claimer(self, until_empty: bool = False) -> None:
         layout = self.a.layout
@@ -238,10 +240,7 @@ class Study:
                     await asyncio.sleep(0.01)
                     continue
                 if layout == "hybrid":   # claimed through the parent, completed directly
-                    for g in {r[1] for r in rows}:
-                        await c.execute(complete_sql("direct", g),
-                                        ([r[0] for r in rows if r[1] == g],))
-                    self.done += len(rows)
+                    await self.complete_by_gen(c, rows)
                     continue
                 params: tuple[Any, ...] = ([r[0] for r in rows],)
                 if layout == "rotated":

@@ -271,25 +271,32 @@ def encode_payload(payload: object, index: int | None = None) -> str:
     return body
 
 
-def encode_result(value: object, max_bytes: int) -> str:
-    """A handler's return value as jsonb text; ValueError saying why it cannot be stored."""
+def encode_stored(value: object, what: str, max_bytes: int, limit: str, too_big: str) -> str:
+    """`value` as the jsonb text stored for a job (its result, its progress); ValueError
+    saying why it cannot be: `what` names it, `limit` its limit in words, `too_big` the fix."""
     try:
         body = json.dumps(value, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as e:
         raise ValueError(
-            f"its return value is not JSON ({e}): return a dict, list, str, int, finite float, "
-            "bool or None (convert dates, Decimals and objects first)") from None
+            f"{what} is not JSON ({e}): use a dict, list, str, int, finite float, bool or None "
+            "(convert dates, Decimals and objects first)") from None
     if "\\u0000" in body or "\\ud" in body:
         bad = first_unstorable(value)
         if bad is not None:
-            raise ValueError(f"its return value contains the string {bad!r}, which PostgreSQL "
-                             "cannot store (NUL or an unpaired surrogate): remove the "
-                             "character, or return binary data as base64")
+            raise ValueError(f"{what} contains the string {bad!r}, which cannot be stored: "
+                             "PostgreSQL cannot store NUL or an unpaired surrogate; remove the "
+                             "character, or send binary data as base64")
     if len(body) > max_bytes:  # ASCII: the JSON text's length is its size
-        raise ValueError(f"its return value is {len(body):,} bytes of JSON, over the queue's "
-                         f"max_result_bytes={max_bytes:,}: store large output elsewhere (a "
-                         "file, a table) and return where it is")
+        raise ValueError(f"{what} is {len(body):,} bytes of JSON, over {limit}: {too_big}")
     return body
+
+
+def encode_result(value: object, max_bytes: int) -> str:
+    """A handler's return value as jsonb text; ValueError saying why it cannot be stored."""
+    return encode_stored(value, "its return value", max_bytes,
+                         f"the queue's max_result_bytes={max_bytes:,}",
+                         "store large output elsewhere (a file, a table) and return where "
+                         "it is")
 
 
 def encode_payload_array(payloads: Iterable[object]) -> str:

@@ -3,7 +3,6 @@ handlers may raise."""
 
 from __future__ import annotations
 
-import json
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -12,8 +11,9 @@ from typing import Any, Literal, Protocol
 # Retry checks its delay as an enqueue does; both names stay importable from here, where the
 # worker machinery (_worker/outcome.py) takes them.
 from ._checks import MAX_DELAY as MAX_DELAY
-from ._checks import first_unstorable
+from ._checks import encode_stored
 from ._checks import is_delay as is_delay
+from .errors import ConfigurationError
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 STATUSES: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cancelled")
@@ -88,25 +88,11 @@ class Job:
     def set_progress_nowait(self, value: Any) -> None:
         """`set_progress` for sync handlers (any thread)."""
         try:
-            text = json.dumps(value, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as e:
-            from .errors import ConfigurationError
-            raise ConfigurationError(
-                f"set_progress({type(value).__name__}): not JSON ({e}); pass a number, a "
-                "string, or a dict or list of those") from None
-        if "\\u0000" in text or "\\ud" in text:
-            bad = first_unstorable(value)
-            if bad is not None:
-                from .errors import ConfigurationError
-                raise ConfigurationError(
-                    f"set_progress(): the string {bad!r} cannot be stored by PostgreSQL (NUL "
-                    "or an unpaired surrogate): remove the character")
-        if len(text.encode()) > MAX_PROGRESS_BYTES:
-            from .errors import ConfigurationError
-            raise ConfigurationError(
-                f"set_progress(): {len(text.encode())} bytes of JSON, over "
-                f"{MAX_PROGRESS_BYTES}: progress is a small status (a percentage, a step); "
-                "return large values as the job's result")
+            text = encode_stored(value, "the progress", MAX_PROGRESS_BYTES,
+                                 str(MAX_PROGRESS_BYTES), "progress is a small status (a "
+                                 "percentage, a step); return large values as the job's result")
+        except ValueError as e:
+            raise ConfigurationError(f"set_progress(): {e}") from None
         c = self.control
         if c is not None:
             c.set_progress(self.id, self.attempt, text)

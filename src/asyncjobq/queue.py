@@ -454,16 +454,16 @@ class Queue:
         if self._inserter is not None:
             await self._inserter.drain()
         self._inserter = None
+        await self._close_waiter()
+        await self.hooks.settle(timeout=self.hooks.timeout)  # on_enqueued calls still running
+        await self._db.close()
+        await self._close_waiter()  # one a wait made while the hooks settled
+
+    async def _close_waiter(self) -> None:
+        """End the pending waits (QueueClosedError) and their listening connection."""
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             with contextlib.suppress(RuntimeError):  # made on another, now closed, loop
-                await waiter.close()
-        await self.hooks.settle(timeout=self.hooks.timeout)  # on_enqueued calls still running
-        await self._db.close()
-        # A wait begun while the hooks settled made a waiter of its own: it ends too.
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None:
-            with contextlib.suppress(RuntimeError):
                 await waiter.close()
 
     async def __aenter__(self) -> Queue:
