@@ -102,6 +102,10 @@ class Job:
 # carried into a sync handler's thread): log lines say which job they are about
 # (asyncjobq.logs).
 current_job: ContextVar[Job | None] = ContextVar("asyncjobq_current_job", default=None)
+# Whether a worker sets it: only once a log formatter reads it (asyncjobq.logs.JsonFormatter
+# turns it on). Setting a context variable in each job's task cost ~1 us a job, a few per
+# cent of a drain's worker CPU, for log lines nobody formats as JSON.
+TRACK_CURRENT_JOB = False
 
 
 def log_fields(job_id: int, task: str | None = None, queue: str | None = None,

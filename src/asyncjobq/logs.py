@@ -13,6 +13,7 @@ import json
 import logging
 from datetime import UTC, datetime
 
+from . import job as job_module
 from .job import current_job
 
 __all__ = ["JsonFormatter"]
@@ -30,6 +31,7 @@ class JsonFormatter(logging.Formatter):
     def __init__(self, worker: str | None = None) -> None:
         super().__init__()
         self.worker = worker
+        job_module.TRACK_CURRENT_JOB = True  # workers now name the job in each handler's context
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {

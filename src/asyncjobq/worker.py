@@ -23,6 +23,7 @@ import anyio
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from . import job as job_module
 from . import metrics, tracing
 from ._checks import check_name, check_positive, check_queue_name, int_between, is_number
 from ._db import migrations
@@ -408,7 +409,8 @@ class Worker:
     async def _execute(self, running: RunningJob) -> None:
         running.begun = True
         job = running.job
-        current_job.set(job)  # this task's own context: its log lines name the job
+        if job_module.TRACK_CURRENT_JOB:
+            current_job.set(job)  # this task's own context: its log lines name the job
         assert self.completer is not None and self.fetcher is not None
         outcome: Outcome | None = None
         hooks = self.queue.hooks if self.queue.hooks.active else None
