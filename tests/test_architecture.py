@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Prometheus and OpenTelemetry: they watch jobs through the hooks and middleware and are
     # handed a Queue (never importing it), so that Queue and Worker can use them.
     ("integrations", ("asyncjobq.metrics", "asyncjobq.tracing")),
-    ("public API", ("asyncjobq.queue", "asyncjobq.worker", "asyncjobq")),
+    # workflow: Queue.workflow()'s builder, which Queue.enqueue(after=) uses too.
+    ("public API", ("asyncjobq.workflow", "asyncjobq.queue", "asyncjobq.worker", "asyncjobq")),
     ("tools", ("asyncjobq.cli", "asyncjobq.doctor", "asyncjobq.demo", "asyncjobq.runtime",
                "asyncjobq.logs",
                "asyncjobq.__main__", "asyncjobq.testing", "asyncjobq.pytest_plugin",

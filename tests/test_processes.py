@@ -228,3 +228,75 @@ async def test_second_signal_exits_at_once(claims_queue: Queue, pg_dsn: str) -> 
         assert "loop=uvloop" in err  # the CLI runs workers on uvloop when it is installed
     finally:
         stop_all([w])
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(300)
+async def test_a_fan_in_finished_by_four_processes_releases_its_child_once(
+        claims_queue: Queue, pg_dsn: str) -> None:
+    """Parents finished by 4 worker processes at once, their outcomes racing to release the
+    one child: it runs exactly once, after every parent (benchmarks/workflows.py runs 10,000
+    parents 20 times)."""
+    q = claims_queue
+    procs = [spawn_worker(pg_dsn, q.schema, "--concurrency", "10", "--batch", "10")
+             for _ in range(4)]
+    try:
+        for _ in range(3):
+            wf = q.workflow()
+            parents = [wf.add("log", {"n": i}) for i in range(1500)]
+            wf.add("log", {"fan": "in"}, after=parents)
+            ids = await wf.enqueue()
+            child = ids[-1]
+            info = await q.wait(child, timeout=240)
+            assert info.status == "done"
+            assert await fetchval(q, "SELECT count(*) FROM {s}.claims WHERE job_id = %s",
+                                  child) == 1
+            assert await fetchval(
+                q, "SELECT max(h.finished_at) <= (SELECT at FROM {s}.claims WHERE job_id = %s)"
+                   " FROM {s}.jobs_history h WHERE h.id = ANY(%s)", child, ids[:-1])
+        assert await fetchval(q, DOUBLE_CLAIMS) == 0
+        assert await fetchval(q, "SELECT count(DISTINCT pid) FROM {s}.claims") >= 2
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(300)
+async def test_a_diamond_under_sigkill_runs_its_last_job_once_after_both_parents(
+        claims_queue: Queue, pg_dsn: str) -> None:
+    """a -> (b, c) -> d, three diamonds, the worker running b killed -9 mid-run: b is reaped
+    and rerun elsewhere, and each d runs once, after its b and c are done."""
+    q = claims_queue
+    diamonds = []
+    for _ in range(3):
+        wf = q.workflow()
+        a = wf.add("log", {"step": "a"})
+        b = wf.add("sleep", {"by_attempt": [60, 0.2]}, after=[a])
+        c = wf.add("sleep", {"seconds": 0.2}, after=[a])
+        wf.add("log", {"step": "d"}, after=[b, c])
+        diamonds.append(await wf.enqueue())
+    procs: list[Any] = []
+    try:
+        victim = spawn_worker(pg_dsn, q.schema, "--lease", "2")
+        procs.append(victim)
+        bs = [d[1] for d in diamonds]
+        await wait_for(lambda: fetchval(
+            q, "SELECT count(*) = 3 FROM {s}.claims WHERE job_id = ANY(%s)", bs),
+            timeout=60, what="every b running in the victim")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        procs += [spawn_worker(pg_dsn, q.schema, "--lease", "2") for _ in range(2)]
+        for a, b, c, d in diamonds:
+            assert (await q.wait(d, timeout=120)).status == "done"
+            assert (await q.get(d)).parents == (b, c)  # type: ignore[union-attr]
+            assert await fetchval(q, "SELECT count(*) FROM {s}.claims WHERE job_id = %s",
+                                  d) == 1
+            assert await fetchval(q, "SELECT count(*) FROM {s}.claims WHERE job_id = %s",
+                                  b) == 2  # killed, then reaped and run again
+            assert await fetchval(
+                q, "SELECT max(h.finished_at) <= (SELECT at FROM {s}.claims WHERE job_id = %s)"
+                   " FROM {s}.jobs_history h WHERE h.id = ANY(%s) AND h.status = 'done'",
+                d, [a, b, c])
+        assert await fetchval(q, DOUBLE_CLAIMS) == 0
+    finally:
+        stop_all(procs)

@@ -395,6 +395,17 @@ def documented_role_sql(schema: str, roles: dict[str, str], database: str) -> tu
     return statements(parts[0]), statements(parts[1].split("\n", 1)[1])
 
 
+def documented_workflow_grant(schema: str, roles: Roles) -> list[str]:
+    """The roles page's grant for producers of workflows, for this test's schema and roles."""
+    text = (ROOT / "docs" / "guides" / "roles.md").read_text()
+    section = text.split("## A role that enqueues workflows", 1)[1]
+    block = re.search(r"```sql\n(.*?)```", section, re.S)
+    assert block, "docs/guides/roles.md has no sql block for producers of workflows"
+    body = re.sub(r"\basyncjobq_producer\b", roles.producer, block.group(1))
+    body = re.sub(r"\basyncjobq\.", f"{schema}.", body)
+    return [s.strip() for s in body.split(";") if s.strip()]
+
+
 @pytest.fixture
 def roles(pg_dsn: str, schema: str) -> Iterator[Roles]:
     suffix = uuid.uuid4().hex[:8]
@@ -483,7 +494,21 @@ async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
                                 "CREATE TABLE {s}.evil (x int)")
         with pytest.raises(asyncjobq.AsyncJobQError, match=r"may not install.*owner"):
             await producer.install()
-    job_ids = [first, *many, *keyed, dedup, by_sql, in_tx]
+        # Workflows: refused until the grant roles.md documents for them, then enqueued.
+        with pytest.raises(asyncjobq.EnqueueRefusedError, match="permission denied"):
+            await producer.enqueue("ok", {"n": 9}, queue="roles", after=[first])
+        async with await psycopg.AsyncConnection.connect(
+                as_role(pg_dsn, roles.owner), autocommit=True) as conn:
+            for statement in documented_workflow_grant(schema, roles):
+                await conn.execute(statement)  # type: ignore[call-overload]
+        wf = producer.workflow()
+        step = wf.add("ok", {"n": 10}, queue="roles", after=[first])
+        wf.add("ok", {"n": 11}, queue="roles", after=[step, *many])
+        flow_ids = await wf.enqueue()
+        async with producer.connection() as conn:
+            await assert_denied(conn, schema, "INSERT INTO {s}.job_deps VALUES (1, 2)",
+                                "SELECT {s}.job_deps_settle(ARRAY[1]::bigint[], true, '', 1)")
+    job_ids = [first, *many, *keyed, dedup, by_sql, in_tx, *flow_ids]
 
     # Worker: runs them (done, retried, failed), admin calls work, no DDL.
     wq = Queue(as_role(pg_dsn, roles.worker), schema=schema)

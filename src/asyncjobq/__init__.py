@@ -27,6 +27,7 @@ from .retention import Retention
 from .schedule import Schedule
 from .task import Task
 from .worker import Worker
+from .workflow import Step, Workflow
 
 __version__ = "0.1.0"
 
@@ -54,7 +55,9 @@ __all__ = [
     "Schedule",
     "SchemaNotInstalledError",
     "SchemaVersionError",
+    "Step",
     "Task",
     "Worker",
+    "Workflow",
     "__version__",
 ]

@@ -438,15 +438,16 @@ def status(app: str | None, as_json: bool, lease: float, dsn: str | None, schema
     from rich.table import Table
 
     table = Table(title=f"asyncjobq schema {schema}")
-    for col in ("queue", "queued", "running", "done", "failed", "cancelled",
-                "oldest queued", "stale running", "done/min"):
+    # A waiting column (workflows) only when some queue has waiting jobs.
+    shown = (("waiting",) if any(c.get("waiting") for c in counts.values()) else ()) + (
+        "queued", "running", "done", "failed", "cancelled")
+    for col in ("queue", *shown, "oldest queued", "stale running", "done/min"):
         table.add_column(col, justify="left" if col == "queue" else "right")
     for name in sorted(counts):
         c, h = counts[name], health.get(name, {})
         age = h.get("oldest_queued_age_s")
         table.add_row(name + (" (paused)" if name in paused else ""),
-                      *(str(c[s]) for s in ("queued", "running", "done", "failed",
-                                                  "cancelled")),
+                      *(str(c.get(s, 0)) for s in shown),
                       "-" if age is None else f"{age:.1f} s", str(h.get("stale_running", 0)),
                       str(h.get("done_last_minute", 0)))
     who = ("leader: none (no worker running)" if lead is None
@@ -573,13 +574,15 @@ def retry_failed(queue: str | None, task: str | None, error_like: str | None, as
 @_db_options
 @_guard
 def cancel(job_id: int, dsn: str | None, schema: str) -> None:
-    """Cancel a job: a queued one now, a running one by its worker (within a second)."""
+    """Cancel a job: a waiting or queued one now (with the jobs that wait for it), a running
+    one by its worker (within a second)."""
     async def run(q: Queue) -> tuple[bool, Any]:
         return await q.cancel(job_id), await q.get(job_id)
 
     ok, info = _with_queue(dsn, schema, run)
     if not ok:
-        _fail(f"job {job_id} is not queued or running (unknown or finished): nothing cancelled")
+        _fail(f"job {job_id} is not queued or running, nor waiting (unknown or finished): "
+              "nothing cancelled")
     if info is not None and info.status == "running":
         click.echo(f"cancel of running job {job_id} requested: its worker stops the handler and "
                    "writes cancelled (`get` shows it)")
@@ -592,7 +595,8 @@ def cancel(job_id: int, dsn: str | None, schema: str) -> None:
 @_db_options
 @_guard
 def get(job_id: int, dsn: str | None, schema: str) -> None:
-    """Show a job as JSON: status, attempts, errors, result and progress."""
+    """Show a job as JSON: status, attempts, errors, result, progress, parents and
+    children."""
     info = _with_queue(dsn, schema, lambda q: q.get(job_id))
     if info is None:
         _fail(f"job {job_id} not found: it never existed, or it finished longer ago than the "

@@ -15,8 +15,27 @@ from ._checks import encode_stored
 from ._checks import is_delay as is_delay
 from .errors import ConfigurationError
 
-JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
-STATUSES: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cancelled")
+JobStatus = Literal["waiting", "queued", "running", "done", "failed", "cancelled"]
+# The statuses Queue.stats names for every queue; `waiting` (workflows) only for a queue with
+# waiting jobs, so that counts compared with a dict written before workflows still match.
+ALWAYS_COUNTED: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cancelled")
+
+
+class StatusCounts(dict[str, int]):
+    """One queue's {status: count}, as `Queue.stats` returns it: queued, running, done, failed
+    and cancelled always, waiting once the queue has waiting jobs; any status reads as 0 when
+    it is not there (`counts["waiting"]`)."""
+
+    def __missing__(self, key: str) -> int:
+        if key in STATUSES:
+            return 0
+        raise KeyError(key)
+
+
+# What a job does when one of its parents is dead-lettered or cancelled (asyncjobq.workflow).
+OnParentFailure = Literal["cancel", "run"]
+STATUSES: tuple[JobStatus, ...] = ("waiting", "queued", "running", "done", "failed",
+                                   "cancelled")
 # The statuses after which nothing more happens to a job (Queue.wait returns).
 FINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 # The largest progress value, as JSON text: progress is a small status, not a result.
@@ -30,6 +49,8 @@ class JobControl(Protocol):
     def cancel_requested(self, job_id: int, attempt: int) -> bool: ...
 
     def set_progress(self, job_id: int, attempt: int, value: str) -> None: ...
+
+    async def parent_results(self, job_id: int) -> dict[int, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +72,10 @@ class Job:
         trace_context: the W3C trace context (traceparent, tracestate) of the enqueue that
             wrote the job, as `asyncjobq.tracing` stored it; None when the producer did not
             trace.
+        parent_results: for a job enqueued with parents (`after=`, a workflow), each
+            parent's id mapped to what its handler returned (None for a parent that returned
+            None, and for one that did not end `done`: a child of
+            `on_parent_failure="run"`); empty for a job without parents.
     """
 
     id: int
@@ -68,6 +93,9 @@ class Job:
     trace_context: dict[str, str] | None = field(default=None, compare=False, repr=False)
     # The worker's, for cancel_requested and set_progress; None outside a worker.
     control: JobControl | None = field(default=None, compare=False, repr=False)
+    # True for a job enqueued with parents: its attempt reads their results first.
+    has_parents: bool = field(default=False, compare=False, repr=False)
+    parent_results: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def cancel_requested(self) -> bool:
@@ -145,7 +173,7 @@ class JobInfo(JobSummary):
         id: the job's id.
         task: the task's name.
         queue: the queue's name.
-        status: queued, running, done, failed or cancelled.
+        status: waiting (for its parents), queued, running, done, failed or cancelled.
         attempts: attempts started so far.
         max_attempts: attempts allowed before the job is dead-lettered.
         priority: the job's priority; higher runs first.
@@ -161,6 +189,9 @@ class JobInfo(JobSummary):
             the handler returned None.
         progress: the last value its handler passed to `job.set_progress`, or None.
         cancel_requested: True while a running job's cancel is on its way to its worker.
+        parents: the ids of the jobs it waits (or waited) for, in order (`Queue.get` and
+            `get_detail` read them; `list_jobs` and `wait` leave them empty).
+        children: the ids of the jobs that wait (or waited) for it, likewise.
     """
 
     # id ... finished_at: JobSummary's, in the order the statements select them.
@@ -169,6 +200,8 @@ class JobInfo(JobSummary):
     result: Any = None
     progress: Any = None
     cancel_requested: bool = False
+    parents: tuple[int, ...] = ()
+    children: tuple[int, ...] = ()
 
     @property
     def is_final(self) -> bool:

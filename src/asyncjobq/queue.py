@@ -9,10 +9,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
@@ -67,10 +67,21 @@ from .errors import (
     reason,
 )
 from .hooks import Hooks, Middleware
-from .job import STATUSES, JobDetail, JobInfo, JobPage, JobSummary, RetryResult
+from .job import (
+    ALWAYS_COUNTED,
+    STATUSES,
+    JobDetail,
+    JobInfo,
+    JobPage,
+    JobSummary,
+    OnParentFailure,
+    RetryResult,
+    StatusCounts,
+)
 from .retention import Age, Retention, seconds
 from .schedule import Schedule
 from .task import Backoff, Handler, Task, name_of
+from .workflow import Workflow
 
 log = logging.getLogger("asyncjobq.queue")
 
@@ -532,13 +543,26 @@ class Queue:
         dedup_key: str | None = None,
         key: str | None = None,
         conn: Conn | None = None,
+        after: Sequence[int] | None = None,
+        on_parent_failure: OnParentFailure = "cancel",
     ) -> int:
         """Add one job; returns its id (the existing job's id for a live duplicate dedup_key).
 
         With `conn=`, the job is written in that connection's transaction: it exists, and wakes
         workers, only if that transaction commits. `key` (e.g. "account:42") puts the job in
-        that key's line when its task has a key_limit.
+        that key's line when its task has a key_limit. `after=[ids]`: the job waits until
+        those jobs are done (a workflow of one job, see `workflow()`; `on_parent_failure`
+        says what it does when one of them fails: "cancel" or "run").
         """
+        if after:
+            if dedup_key is not None:
+                raise ConfigurationError("dedup_key with after=: a job that waits for parents "
+                                         "takes no dedup_key; leave one of them out")
+            wf = self.workflow()
+            wf.add(task, payload, after=after, on_parent_failure=on_parent_failure,
+                   queue=queue, priority=priority, run_at=run_at, delay=delay,
+                   max_attempts=max_attempts, key=key)
+            return (await wf.enqueue(conn=conn))[0]
         check_conn(conn)
         name, q, prio, attempts = self._defaults(task, queue, priority, max_attempts)
         body = encode_payload(payload)
@@ -587,6 +611,11 @@ class Queue:
             # The duplicate committed after our snapshot, or finished meanwhile: look again.
         raise AsyncJobQError(f"enqueue with dedup_key={dedup_key!r} kept racing with other "
                              "writers of that key: try again")
+
+    def workflow(self) -> Workflow:
+        """A new workflow: jobs that wait for other jobs, enqueued together
+        (`asyncjobq.Workflow`, docs/guides/workflows.md)."""
+        return Workflow(self)
 
     def _open_inserter(self) -> Inserter:
         if self._inserter is None:
@@ -690,17 +719,19 @@ class Queue:
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_get_by_id, {"id": job_id})
             row = await cur.fetchone()
-        if row is None:
-            return None
-        return JobInfo(*row)
+            if row is None:
+                return None
+            return await self._with_family(c, JobInfo(*row))
 
     async def stats(self) -> dict[str, dict[str, int]]:
-        """{queue: {status: count}} with all five statuses for every queue seen."""
+        """{queue: {status: count}} for every queue seen: queued, running, done, failed and
+        cancelled always, waiting (workflows) when there are some; a status not there reads
+        as 0 (`stats()[queue]["waiting"]`)."""
         out: dict[str, dict[str, int]] = {}
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_count_by_queue_status)
             for queue, status, n in await cur.fetchall():
-                counts = out.setdefault(queue, dict.fromkeys(STATUSES, 0))
+                counts = out.setdefault(queue, StatusCounts.fromkeys(ALWAYS_COUNTED, 0))
                 counts[status] += int(n)
         return out
 
@@ -859,13 +890,14 @@ class Queue:
             return {str(q): at for q, at in await cur.fetchall()}
 
     async def cancel(self, job_id: int) -> bool:
-        """Cancel a job. A queued one is cancelled now; a running one is asked to stop: its
-        worker hears of it within a second (a notification; its heartbeat's reply as the
-        fallback), cancels the handler (an `async` one gets `asyncio.CancelledError`, a sync
-        one sees `job.cancel_requested`) and writes `cancelled`; a handler that returned
-        first keeps its outcome. A running job whose worker died is cancelled when the
-        reaper takes it. No retry follows a cancel. True when the job was queued or running;
-        False when it is finished (done, failed, cancelled) or unknown."""
+        """Cancel a job. A queued or waiting one is cancelled now, and the jobs that wait for
+        it as their `on_parent_failure` says; a running one is asked to stop: its worker
+        hears of it within a second (a notification; its heartbeat's reply as the fallback),
+        cancels the handler (an `async` one gets `asyncio.CancelledError`, a sync one sees
+        `job.cancel_requested`) and writes `cancelled`; a handler that returned first keeps
+        its outcome. A running job whose worker died is cancelled when the reaper takes it.
+        No retry follows a cancel. True when the job was waiting, queued or running; False
+        when it is finished (done, failed, cancelled) or unknown."""
         check_int("job_id", job_id, bits=64)
         params = {"id": job_id, "done": self._db.done_channel,
                   "cancel": self._db.cancel_channel}
@@ -953,10 +985,10 @@ class Queue:
         params = _browse_filters(queue, status, task)
         if max_id is not None:
             check_int("max_id", max_id, bits=64)
-            if status not in ("queued", "running", "failed"):
+            if status not in ("waiting", "queued", "running", "failed"):
                 raise ConfigurationError(f"max_id with status={status!r}: pass status "
-                                         "queued, running or failed (history is counted per "
-                                         "queue, not per id)")
+                                         "waiting, queued, running or failed (history is "
+                                         "counted per queue, not per id)")
             params["max_id"] = max_id
         statement = self.sql.job_count(queue=queue is not None, task=task is not None,
                                        max_id=max_id is not None)
@@ -971,7 +1003,25 @@ class Queue:
         async with self._conn(None) as c:
             cur = await c.execute(self.sql.job_detail_by_id, {"id": job_id})
             row = await cur.fetchone()
-        return None if row is None else JobDetail(*row)
+            if row is None:
+                return None
+            detail = JobDetail(**dict(zip(_DETAIL_NAMES, row, strict=True)))
+            return await self._with_family(c, detail)
+
+    async def _with_family(self, c: Conn, info: _Info) -> _Info:
+        # Its parents and children (workflows), read after the row: a job enqueued with
+        # parents is written with its edges in one transaction.
+        try:
+            cur = await c.execute(self.sql.job_family, {"id": info.id})
+            family = await cur.fetchall()
+        except psycopg.errors.InsufficientPrivilege:
+            # A role granted what `get` read before workflows (docs/guides/roles.md): the
+            # job without its family, not an error.
+            return info
+        if not family:
+            return info
+        return replace(info, parents=tuple(int(i) for p, i in family if p),
+                       children=tuple(int(i) for p, i in family if not p))
 
     async def retry(self, job_id: int) -> bool:
         """Requeue one failed (dead-lettered) job, attempts reset; False when it is not failed,
@@ -1039,6 +1089,12 @@ _RESEND_DEDUP = ("enqueue it again with the same dedup_key: that returns the exi
                  "job is created)")
 _MANY_UNSURE = ("enqueueing them again may create them twice: look for them first, or enqueue "
                 "each with a dedup_key")
+
+
+_Info = TypeVar("_Info", bound=JobInfo)
+# JobDetail's fields in the order job_detail_by_id selects them: JobInfo's parents and children
+# are read apart (Queue._with_family).
+_DETAIL_NAMES = [f.name for f in fields(JobDetail) if f.name not in ("parents", "children")]
 
 
 def _browse_filters(queue: object, status: object, task: object) -> dict[str, Any]:

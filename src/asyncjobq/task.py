@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._checks import check_task_name, parse_rate
 from .errors import ConfigurationError
-from .job import Job
+from .job import Job, OnParentFailure
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -113,6 +113,8 @@ class Task:
         dedup_key: str | None = None,
         key: str | None = None,
         conn: AsyncConnection[Any] | None = None,
+        after: Sequence[int] | None = None,
+        on_parent_failure: OnParentFailure = "cancel",
     ) -> int:
         """Enqueue one job of this task: `Queue.enqueue` with this task's name, the same
         arguments and the same return value (the job's id)."""
@@ -127,6 +129,8 @@ class Task:
             dedup_key=dedup_key,
             key=key,
             conn=conn,
+            after=after,
+            on_parent_failure=on_parent_failure,
         )
 
     def __call__(self, job: Job) -> object:

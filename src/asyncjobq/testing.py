@@ -37,6 +37,7 @@ from ._db.sql import Statements, statements
 
 # The executor is the worker's own, not a copy: a test must see what a worker would do.
 from ._worker.completer import encode_outcomes
+from ._worker.control import read_parent_results
 from ._worker.executor import RunningJob, execute, finished
 from ._worker.outcome import Outcome as _Outcome
 from ._worker.threads import ThreadRunner
@@ -424,6 +425,9 @@ async def drain(q: Queue, queues: str | Sequence[str] | None = None,
         job = Job(id=row[0], task=row[1], queue=row[2], payload=row[3], priority=row[4],
                   attempt=row[5], max_attempts=row[6], run_at=row[7], created_at=row[8],
                   worker=worker, trace_context=row[9])
+        if row[10] is not None:  # a child of a workflow: its parents' results
+            with q.translate_errors():
+                job.parent_results.update(await read_parent_results(q.database, job.id))
         runs[job.id] = runs.get(job.id, 0) + 1
         if runs[job.id] > RUNS_PER_JOB_LIMIT:
             await _write(q, worker, _Outcome(job.id, job.attempt, "snooze", 0.0, task=job.task))

@@ -251,7 +251,7 @@ class Worker:
             self.queue.hooks.middleware = traced
             self.queue.hooks.active = True
         self._progress = ProgressWriter(db, self.id)
-        self._control = Control(self._running, self._progress)
+        self._control = Control(self._running, self._progress, db)
         fetcher = self.fetcher = Fetcher(
             db, self.id, self.queues, batch_size=self.batch_size, control=self._control,
             concurrency=self.concurrency, poll_interval=self.poll_interval,

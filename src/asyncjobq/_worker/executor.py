@@ -265,6 +265,10 @@ async def _attempt(
     result: object = None
     deadline: asyncio.Timeout | None = None
     try:
+        if job.has_parents and job.control is not None:
+            # A child of a workflow: its parents' results, read in the attempt (a failure to
+            # read them is the attempt's, retried as any other).
+            job.parent_results.update(await job.control.parent_results(job.id))
         if hooks is not None and hooks.on_started:
             # Outside the handler's timeout: a slow hook must not eat the handler's time.
             # Bounded by the hooks' own timeout (hooks.py).

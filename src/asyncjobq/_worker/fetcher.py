@@ -284,7 +284,7 @@ class Fetcher:
         jobs = [
             Job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4], attempt=r[5],
                 max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id,
-                trace_context=r[9], control=self._control)
+                trace_context=r[9], control=self._control, has_parents=r[10] is not None)
             for r in rows if r[0] is not None
         ]
         if jobs:

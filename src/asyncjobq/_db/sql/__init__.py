@@ -5,7 +5,8 @@ always a bound parameter. `statements(schema)` builds the set once per schema. E
 module: enqueue.py (producers), claim.py (the worker's claim, completion and heartbeat),
 maintenance.py (reaper, leader, pruner, vacuum, periodic scheduler), admin.py (install, admin
 calls), doctor.py (doctor's checks and the fixes it advises), browse.py (the jobs list and its
-actions, for the dashboard), testing.py (asyncjobq.testing's schema, listing and drain claim).
+actions, for the dashboard), testing.py (asyncjobq.testing's schema, listing and drain claim),
+workflow.py (jobs with parents).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .doctor import DoctorStatements
 from .enqueue import EnqueueStatements
 from .maintenance import MaintenanceStatements
 from .testing import TestingStatements
+from .workflow import WorkflowStatements
 
 __all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition", "Statement",
            "Statements", "statements"]
@@ -28,7 +30,7 @@ __all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition"
 
 @dataclass(frozen=True)
 class Statements(EnqueueStatements, WorkerStatements, MaintenanceStatements, AdminStatements,
-                 DoctorStatements, BrowseStatements, TestingStatements):
+                 DoctorStatements, BrowseStatements, TestingStatements, WorkflowStatements):
     schema: str
     plain_outcomes: bool = False
 

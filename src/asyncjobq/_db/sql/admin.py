@@ -186,13 +186,15 @@ class AdminStatements(Role):
 
     @cached_property
     def job_cancel(self) -> Statement:
-        # A queued job is cancelled now, into history. A running one is asked to stop: its
-        # worker hears the id on <schema>_cancel (its heartbeat's reply as the fallback) and
-        # writes `cancelled`, fenced as every outcome; a worker that died leaves it to the
-        # reaper, which cancels it (0011_results.sql). Returns 'cancelled', 'asked', or nothing.
+        # A queued (or waiting) job is cancelled now, into history (its children as they say,
+        # 0012_workflows.sql). A running one is asked to stop: its worker hears the id on
+        # <schema>_cancel (its heartbeat's reply as the fallback) and writes `cancelled`, fenced
+        # as every outcome; a worker that died leaves it to the reaper, which cancels it
+        # (0011_results.sql). Returns 'cancelled', 'asked', or nothing.
         return self._compose(
             "WITH cancelled AS ("
-            " DELETE FROM {s}.jobs WHERE id = %(id)s AND status = 'queued' RETURNING *),"
+            " DELETE FROM {s}.jobs WHERE id = %(id)s AND status IN ('queued', 'waiting')"
+            " RETURNING *),"
             " moved AS (INSERT INTO {s}.jobs_history ({h})"
             " SELECT " + history_row("cancelled") +
             " FROM cancelled RETURNING id, queue, status),"

@@ -37,7 +37,7 @@ DETAIL_COLUMNS = ("id, task, queue, status, attempts, max_attempts, priority, ru
 
 
 # The statuses a job has while in the live table (jobs); done and cancelled ones are in history.
-LIVE_STATUSES = ("queued", "running", "failed")
+LIVE_STATUSES = ("waiting", "queued", "running", "failed")
 
 # The statuses asked for, as the enum: compared as text, no index on status could be used.
 _STATUSES = "%(statuses)s::text[]::{s}.job_status[]"
@@ -49,10 +49,11 @@ def _and(*conditions: tuple[bool, str]) -> sql.SQL:
 
 class BrowseStatements(Role):
     def job_page(self, *, queue: bool, task: bool, statuses: Sequence[str]) -> Statement:
-        # Newest first, `id < before`. The live table (queued, running, failed) is read only
-        # when one of those statuses is asked for (done and cancelled jobs are never in it), its
-        # statuses written as literals so that the planner can use a partial index: failed
-        # rows alone through jobs_failed_id_idx, the others by the primary key, backwards.
+        # Newest first, `id < before`. The live table (waiting, queued, running, failed) is read
+        # only when one of those statuses is asked for (done and cancelled jobs are never in
+        # it), its statuses written as literals so that the planner can use a partial index:
+        # failed rows alone through jobs_failed_id_idx, the others by the primary key,
+        # backwards.
         # History is read per (queue, status) pair that has rows (from history_counts: a few
         # rows), each branch stopping after `limit` rows, through
         # jobs_history_queue_browse_idx, or jobs_history_task_browse_idx when a task is given.

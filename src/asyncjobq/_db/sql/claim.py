@@ -214,7 +214,7 @@ class WorkerStatements(Role):
         "SELECT NULL::bigint, '" + FLOORS_MARKER + "'::text, NULL::text,"
         " (SELECT coalesce(jsonb_agg(jsonb_build_array(queue, priority, run_at, id)), '[]')"
         "  FROM peek WHERE %(peek)s), NULL::int, NULL::int, NULL::int, NULL::timestamptz,"
-        " NULL::timestamptz, NULL::jsonb")
+        " NULL::timestamptz, NULL::jsonb, NULL::int")
 
     def _job_claim_from_floors(self, one_queue: bool) -> Statement:
         return self._compose(
@@ -340,7 +340,7 @@ class WorkerStatements(Role):
             "SELECT NULL::bigint, NULL::text, NULL::text, NULL::jsonb, held,"
             " ceil(extract(epoch FROM least(retry_at, (SELECT retry_at FROM flow_sat))"
             "  - clock_timestamp()) * 1000)::int,"
-            " NULL::int, NULL::timestamptz, NULL::timestamptz, NULL::jsonb"
+            " NULL::int, NULL::timestamptz, NULL::timestamptz, NULL::jsonb, NULL::int"
             # Not an EXISTS over the queue's waiting rows: across priorities no index bounds
             # run_at <= now(), and it walked every delayed row. A short claim with a task full
             # in this snapshot, or with keyed tasks, may have stepped over rows; the fetcher

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from psycopg import sql
 
 # Columns returned to the worker by a claim, in this order (see fetcher.ClaimedJob).
-# trace_context last: NULL unless the producer traced (asyncjobq.tracing).
+# trace_context: NULL unless the producer traced (asyncjobq.tracing); pending: NULL unless the
+# job has parents (a workflow's, 0012_workflows.sql), whose results the worker then reads.
 CLAIM_COLUMNS = (
     "id, task, queue, payload, priority, attempts, max_attempts, run_at, created_at, "
-    "trace_context"
+    "trace_context, pending"
 )
 # Columns of JobInfo, in this order, as the live table has them (a live job has no result).
 INFO_COLUMNS = (

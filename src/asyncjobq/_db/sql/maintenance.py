@@ -19,6 +19,11 @@ from .common import (
     notify_waited,
 )
 
+# The workflow edges (0012_workflows.sql) of the jobs a prune deleted (`deleted`, with their
+# ids): a child's edges go with it. A parent's stay while its children live (`get` shows them).
+_UNLINKED = (" unlinked AS (DELETE FROM {s}.job_deps d USING deleted"
+             "  WHERE d.child_id = deleted.id)")
+
 
 class MaintenanceStatements(Role):
 
@@ -135,7 +140,8 @@ class MaintenanceStatements(Role):
             "  LIMIT %(limit)s),"
             " deleted AS ("
             "  DELETE FROM {s}.jobs_history h USING doomed WHERE h.id = doomed.id"
-            "  RETURNING h.queue)"
+            "  RETURNING h.id, h.queue),"
+            + _UNLINKED +
             " SELECT queue, count(*) FROM deleted GROUP BY queue",
             self.schema,
         )
@@ -176,7 +182,9 @@ class MaintenanceStatements(Role):
             "    AND (%(queue)s::text IS NULL OR queue = %(queue)s)"
             "  LIMIT %(limit)s FOR UPDATE SKIP LOCKED),"
             " deleted AS ("
-            "  DELETE FROM {s}.jobs j USING doomed WHERE j.id = doomed.id RETURNING j.queue)"
+            "  DELETE FROM {s}.jobs j USING doomed WHERE j.id = doomed.id"
+            "  RETURNING j.id, j.queue),"
+            + _UNLINKED +
             " SELECT queue, count(*) FROM deleted GROUP BY queue",
             self.schema,
         )
