@@ -12,7 +12,7 @@
    edge.
 
     ASYNCJOBQ_DSN=postgresql://... .venv/bin/python -m benchmarks.workflows
-        [--parents 10000 --repeats 20 --chain 1000 --parts fanin,chain,enqueue]
+        [--parents 10000 --repeats 20 --chain 1000 --parts fanin,chain,enqueue] [--label r1]
 
 Prints JSON, writes benchmarks/results/workflows-<parts>.json; figures in
 results/WORKFLOWS.md.
@@ -195,9 +195,10 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--chain", type=int, default=1000)
     p.add_argument("--parts", default="fanin,chain,enqueue")
+    p.add_argument("--label", default="")
     a = p.parse_args()
     result = asyncio.run(main(a))
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"workflows-{a.parts.replace(',', '-')}.json"
+    out = RESULTS / f"workflows-{a.parts.replace(',', '-')}{'-' + a.label if a.label else ''}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -140,7 +140,9 @@ $$;
 CREATE TRIGGER jobs_parent_ended_delete AFTER DELETE ON jobs
   FOR EACH ROW WHEN (OLD.dependents) EXECUTE FUNCTION jobs_parent_ended();
 CREATE TRIGGER jobs_parent_ended_failed AFTER UPDATE OF status ON jobs
-  FOR EACH ROW WHEN (OLD.dependents AND NEW.status::text = 'failed'
+  -- IS TRUE: false, not NULL, for a row without children, so that the rest is not evaluated
+  -- (every claim updates status).
+  FOR EACH ROW WHEN (OLD.dependents IS TRUE AND NEW.status::text = 'failed'
                      AND OLD.status::text <> 'failed')
   EXECUTE FUNCTION jobs_parent_ended();
 
