@@ -435,3 +435,28 @@ async def test_the_owners_functions_ignore_a_callers_temporary_tables(queue: Que
         assert (await cur.fetchone()) == (0,)
     assert await _statuses(queue, ids) == ["queued", "waiting"]
     assert await fetchval(queue, "SELECT count(*) FROM {s}.job_deps") == 1
+
+
+async def test_doctor_finds_waiting_jobs_no_parent_will_release(queue: Queue) -> None:
+    from asyncjobq.doctor import diagnose
+
+    @queue.task()
+    async def step(job: Job) -> None:
+        return None
+
+    wf = queue.workflow()
+    a = wf.add(step, delay=3600)
+    wf.add(step, after=[a])
+    ids = await wf.enqueue()
+    [ok] = [f for f in (await diagnose(queue)).findings if f.check == "waiting"]
+    assert ok.level == "ok"
+    # The parent removed without its end applied (no row trigger fires for this).
+    await execute(queue, "ALTER TABLE {s}.jobs DISABLE TRIGGER jobs_parent_ended_delete")
+    await execute(queue, "DELETE FROM {s}.jobs WHERE id = %s", ids[0])
+    await execute(queue, "ALTER TABLE {s}.jobs ENABLE TRIGGER jobs_parent_ended_delete")
+    [found] = [f for f in (await diagnose(queue)).findings if f.check == "waiting"]
+    assert found.level == "problem" and f"(ids {ids[1]})" in found.message, found
+    assert "SET status = 'queued', pending = 0" in found.advice
+    assert await queue.cancel(ids[1])
+    [ok] = [f for f in (await diagnose(queue)).findings if f.check == "waiting"]
+    assert ok.level == "ok"

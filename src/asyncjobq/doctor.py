@@ -160,6 +160,22 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
         else:
             report.add("stale running", OK, f"no running job older than its {lease:g} s lease")
 
+        cur = await conn.execute(st.doctor_waiting_stranded)
+        stranded, first = await cur.fetchone() or (0, None)
+        if stranded:
+            ids = ", ".join(map(str, first or []))
+            report.add("waiting", PROBLEM,
+                       f"{stranded} waiting job(s) that no parent will release (ids {ids}"
+                       f"{', ...' if stranded > len(first or []) else ''}): their parents "
+                       "were removed without ending (a TRUNCATE of jobs, edges deleted by "
+                       "hand)",
+                       "cancel each (`python -m asyncjobq cancel ID`), or run them anyway: "
+                       + sql.SQL("UPDATE {}.jobs SET status = 'queued', pending = 0"
+                                 " WHERE id = ANY(<ids>) AND status = 'waiting'").format(
+                                     sql.Identifier(qs)).as_string(conn))
+        else:
+            report.add("waiting", OK, "every waiting job has a parent still to end")
+
         cur = await conn.execute(st.doctor_history_counts_drift)
         drift = await cur.fetchall()
         if drift:

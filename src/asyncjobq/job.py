@@ -189,8 +189,8 @@ class JobInfo(JobSummary):
             the handler returned None.
         progress: the last value its handler passed to `job.set_progress`, or None.
         cancel_requested: True while a running job's cancel is on its way to its worker.
-        parents: the ids of the jobs it waits (or waited) for, in order (`Queue.get` and
-            `get_detail` read them; `list_jobs` and `wait` leave them empty).
+        parents: the ids of the jobs it waits (or waited) for, smallest first (`Queue.get`
+            and `get_detail` read them; `list_jobs` and `wait` leave them empty).
         children: the ids of the jobs that wait (or waited) for it, likewise.
     """
 

@@ -68,6 +68,20 @@ class DoctorStatements(Role):
         )
 
     @cached_property
+    def doctor_waiting_stranded(self) -> Statement:
+        # Waiting jobs (0012_workflows.sql) that no parent will release: none of their edges
+        # still to apply leads to a job that can end. The triggers leave none; a TRUNCATE of
+        # jobs (no row trigger fires) or edges deleted by hand do.
+        return _q(
+            "SELECT count(*), (array_agg(c.id ORDER BY c.id))[1:20] FROM {s}.jobs c"
+            " WHERE c.status = 'waiting' AND NOT EXISTS ("
+            "  SELECT FROM {s}.job_deps d JOIN {s}.jobs p ON p.id = d.parent_id"
+            "  WHERE d.child_id = c.id AND d.ended IS NULL"
+            "    AND p.status IN ('waiting', 'queued', 'running'))",
+            self.schema,
+        )
+
+    @cached_property
     def doctor_history_counts_drift(self) -> Statement:
         # history_counts (0003_history_counts.sql) against a count of every history row:
         # they part only if rows were written with the triggers disabled, or a data-only
