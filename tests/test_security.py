@@ -495,7 +495,8 @@ async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
         with pytest.raises(asyncjobq.AsyncJobQError, match=r"may not install.*owner"):
             await producer.install()
         # Workflows: refused until the grant roles.md documents for them, then enqueued.
-        with pytest.raises(asyncjobq.EnqueueRefusedError, match="permission denied"):
+        with pytest.raises(asyncjobq.EnqueueRefusedError, match=r"permission denied.*"
+                           r"EXECUTE ON FUNCTION .*\.enqueue_workflow\(jsonb, jsonb\)"):
             await producer.enqueue("ok", {"n": 9}, queue="roles", after=[first])
         async with await psycopg.AsyncConnection.connect(
                 as_role(pg_dsn, roles.owner), autocommit=True) as conn:

@@ -460,3 +460,67 @@ async def test_doctor_finds_waiting_jobs_no_parent_will_release(queue: Queue) ->
     assert await queue.cancel(ids[1])
     [ok] = [f for f in (await diagnose(queue)).findings if f.check == "waiting"]
     assert ok.level == "ok"
+
+
+async def test_conn_on_a_non_autocommit_connection_is_the_callers_to_commit(
+        queue: Queue, pg_dsn: str) -> None:
+    @queue.task()
+    async def step(job: Job) -> None:
+        return None
+
+    parent = await step.enqueue({})
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:  # not autocommit
+        # The first statement of the caller's transaction: theirs to commit or roll back.
+        gone = await step.enqueue({}, after=[parent], conn=conn)
+        await conn.rollback()
+        assert await queue.get(gone) is None
+        kept = await step.enqueue({}, after=[parent], conn=conn)
+        await conn.commit()
+    assert (await queue.get(kept)).status == "waiting"  # type: ignore[union-attr]
+
+
+async def test_the_pruner_keeps_a_parent_while_its_child_is_live(queue: Queue) -> None:
+    @queue.task()
+    async def step(job: Job) -> int:
+        return 7
+
+    @queue.task()
+    async def child(job: Job) -> Any:
+        return job.parent_results
+
+    wf = queue.workflow()
+    a = wf.add(step)
+    b = wf.add(step, delay=3600)
+    wf.add(child, after=[a, b])
+    ids = await wf.enqueue()
+    await drain(queue)
+    assert (await queue.get(ids[0])).status == "done"  # type: ignore[union-attr]
+    await queue.prune(older_than=0.001)
+    assert await queue.get(ids[0]) is not None  # its child waits for it still
+    await execute(queue, "UPDATE {s}.jobs SET run_at = now() WHERE id = %s", ids[1])
+    await drain(queue)
+    assert (await queue.get(ids[2])).result == {str(ids[0]): 7, str(ids[1]): 7}  # type: ignore[union-attr]
+    await queue.prune(older_than=0.001)
+    assert [await queue.get(i) for i in ids] == [None, None, None]
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.job_deps") == 0
+
+
+async def test_enqueue_workflow_takes_counts_from_the_edges_and_checks_them(
+        queue: Queue) -> None:
+    async def call(jobs: str, edges: str) -> Any:
+        async with queue.connection() as conn:
+            cur = await conn.execute(queue.sql.workflow_enqueue, (jobs, edges))
+            return await cur.fetchall()
+
+    job = '["t", {}, "default", 0, null, 0, 3, null, null]'
+    for bad in ('[[1, null, 0, false]]', '[[0, null, 0, false]]', '[[null, null, 1, false]]',
+                '[[0, 5, 1, false]]', '[[0, null, 2, false]]'):
+        with pytest.raises(psycopg.errors.InvalidParameterValue):
+            await call(f"[{job}, {job}]", bad)
+    # A caller's extra elements are not counts: the edges are.
+    rows = await call(f'[{job[:-1]}, 0, true], {job}]', '[[0, null, 1, false]]')
+    a, b = (int(r[0]) for r in rows)
+    assert await _statuses(queue, [a, b]) == ["queued", "waiting"]
+    assert await fetchval(queue, "SELECT array[pending, (dependents)::int] FROM {s}.jobs"
+                                 " WHERE id = %s", b) == [1, None]
+    assert await fetchval(queue, "SELECT dependents FROM {s}.jobs WHERE id = %s", a) is True

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from . import tracing
 from ._checks import (
@@ -27,7 +28,7 @@ from ._checks import (
     encode_payload,
 )
 from ._db.inserter import _maybe_written, _refused
-from .errors import ConfigurationError, EnqueueConnectionError, reason
+from .errors import ConfigurationError, EnqueueConnectionError, EnqueueRefusedError, reason
 from .job import OnParentFailure
 from .task import Task
 
@@ -60,7 +61,6 @@ class _Job:
     queue: str
     parents: list[int | Step]
     run_on_failure: bool
-    has_children: bool = False
 
 
 class Workflow:
@@ -114,9 +114,6 @@ class Workflow:
             raise ConfigurationError(f"on_parent_failure={on_parent_failure!r}: use 'cancel' "
                                      "(the default: cancel it when a parent fails) or 'run'")
         parents = self._parents(after)
-        for p in parents:
-            if isinstance(p, Step):
-                self._jobs[p.index].has_children = True
         row = [name, json.loads(body), q, prio,
                when.astimezone(UTC).isoformat() if when else None, secs, attempts, None, key]
         self._jobs.append(_Job(row, name, q, parents, on_parent_failure == "run"))
@@ -176,8 +173,7 @@ class Workflow:
     def _encoded(self, trace: str | None) -> tuple[str, str]:
         """enqueue_workflow()'s two arguments (0012_workflows.sql): the jobs, the edges."""
         context = json.loads(trace) if trace is not None else None
-        rows = [[*job.row[:7], context, job.row[8], len(job.parents), job.has_children]
-                for job in self._jobs]
+        rows = [[*job.row[:7], context, job.row[8]] for job in self._jobs]
         edges = [[p.index, None, n, job.run_on_failure] if isinstance(p, Step)
                  else [None, p, n, job.run_on_failure]
                  for n, job in enumerate(self._jobs) for p in job.parents]
@@ -187,35 +183,48 @@ class Workflow:
         db = self._queue.database
         what = f"the workflow's {len(self._jobs)} jobs (all or none of them)"
         params = self._encoded(trace)
-        done = False  # the statement returned: what fails after it is the COMMIT
+        # Whose transaction: a savepoint of the caller's open one (a refusal leaves it
+        # usable); the caller's to come on a non-autocommit connection (psycopg begins it at
+        # the statement, they commit it); else one of our own, committed here.
+        theirs = conn is not None and (
+            conn.info.transaction_status == TransactionStatus.INTRANS or not conn.autocommit)
+        in_savepoint = conn is not None and (
+            conn.info.transaction_status == TransactionStatus.INTRANS)
+        committing = False  # the statement returned: what fails after it is our COMMIT
         c: Conn | None = conn
         try:
             with db.translate_errors():
                 async with contextlib.AsyncExitStack() as stack:
                     if c is None:
                         c = await stack.enter_async_context(db.connection())
-                    # On the caller's connection, a savepoint of their transaction (or a
-                    # transaction of its own on an idle autocommit one): all or none, and a
-                    # refusal leaves their transaction usable.
-                    async with c.transaction():
-                        cur = await c.execute(db.sql.workflow_enqueue, params)
-                        rows = await cur.fetchall()
-                        unknown = sorted(int(i) for i, u in rows if u)
-                        if unknown:
-                            raise _unknown(unknown)
-                        done = True
-                    return [int(i) for i, _ in rows]
+                    if not theirs or in_savepoint:
+                        await stack.enter_async_context(c.transaction())
+                    cur = await c.execute(db.sql.workflow_enqueue, params)
+                    rows = await cur.fetchall()
+                    unknown = sorted(int(i) for i, u in rows if u)
+                    if unknown:  # the function wrote nothing
+                        raise _unknown(unknown)
+                    committing = not theirs
+                return [int(i) for i, _ in rows]
         except psycopg.Error as e:
             lost = c is not None and (c.closed or c.broken)
-            if lost and done and conn is None:  # lost in the COMMIT: it may have been applied
+            if lost and committing:  # lost in our COMMIT: the server may have applied it
                 raise _maybe_written(what, reason(e), _UNSURE) from None
-            if lost and conn is not None:
+            if lost and theirs:
                 raise EnqueueConnectionError(
                     f"enqueue: the connection passed as conn= was lost ({reason(e)}): its "
                     f"transaction is lost (the server rolls it back), {what} included: run "
                     "the transaction again on a new connection",
                     may_have_been_written=False) from None
-            raise _refused(what, e, caller=False) from e
+            refused = _refused(what, e, caller=theirs and not in_savepoint)
+            if e.sqlstate == "42501":
+                raise EnqueueRefusedError(
+                    f"enqueue: PostgreSQL refused {what} ({reason(e)}); nothing was written; "
+                    f"grant the producer's role EXECUTE ON FUNCTION "
+                    f"{self._queue.schema}.enqueue_workflow(jsonb, jsonb) "
+                    "(docs/guides/roles.md, a role that enqueues workflows)",
+                    sqlstate=e.sqlstate) from e
+            raise refused from e
 
 
 def _unknown(ids: list[int]) -> ConfigurationError:

@@ -220,6 +220,10 @@ _REFUSED_ADVICE = {
              "(SHOW statement_timeout) and what holds locks on the jobs table (pg_locks)",
     "55P03": "a lock was not granted in time: check lock_timeout and what holds locks on the "
              "jobs table (pg_locks)",
+    "40P01": "a deadlock with another transaction, which PostgreSQL broke by ending this one: "
+             "run it again",
+    "40001": "a concurrent update to a row this transaction read (REPEATABLE READ or "
+             "SERIALIZABLE): run it again, or enqueue from a READ COMMITTED transaction",
 }
 
 

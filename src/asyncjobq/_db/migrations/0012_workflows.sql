@@ -182,17 +182,26 @@ CREATE CONSTRAINT TRIGGER job_deps_named AFTER INSERT ON job_deps
   FOR EACH ROW WHEN (NEW.named) EXECUTE FUNCTION job_deps_named();
 
 -- A workflow's jobs and edges, in one call (Workflow.enqueue, src/asyncjobq/workflow.py).
--- `job_rows`: [[task, payload, queue, priority, run_at, delay, max_attempts, trace context, key,
--- parents, has children], ...], a job with parents `waiting` with that count; `edge_rows`:
--- [[parent's index in `job_rows` or null, parent's id or null, child's index, run on failure],
--- ...]. Returns the jobs' ids in order, or, when parents named by id do not exist, those ids
+-- `job_rows`: [[task, payload, queue, priority, run_at, delay, max_attempts, trace context,
+-- key], ...]; `edge_rows`: [[parent's index in `job_rows` or null, parent's id or null,
+-- child's index, run on failure], ...], a parent in the workflow coming before its child.
+-- A job's count of parents and its mark as a parent are taken from the edges, not from the
+-- caller. Returns the jobs' ids in order, or, when parents named by id do not exist, those ids
 -- (unknown = true) and writes nothing.
 CREATE FUNCTION enqueue_workflow(job_rows jsonb, edge_rows jsonb)
 RETURNS TABLE (id bigint, unknown boolean) LANGUAGE plpgsql
 SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
   ids bigint[];
+  n int := jsonb_array_length(job_rows);
 BEGIN
+  IF EXISTS (SELECT FROM jsonb_array_elements(edge_rows) AS e
+             WHERE NOT ((e->>2)::int BETWEEN 0 AND n - 1)
+                OR (e->>0 IS NULL) = (e->>1 IS NULL)
+                OR (e->>0)::int NOT BETWEEN 0 AND (e->>2)::int - 1) THEN
+    RAISE EXCEPTION 'enqueue_workflow: an edge names no job of the workflow, or a parent '
+      'that does not come before its child' USING ERRCODE = 'invalid_parameter_value';
+  END IF;
   RETURN QUERY
     SELECT DISTINCT (e->>1)::bigint, true FROM jsonb_array_elements(edge_rows) AS e
     WHERE e->>1 IS NOT NULL
@@ -202,21 +211,30 @@ BEGIN
     RETURN;
   END IF;
   -- Identity values come in insertion order: ordered by id, the ids are the rows' order.
-  WITH ins AS (
+  WITH e AS (SELECT (x->>0)::int AS parent, (x->>2)::int AS child
+             FROM jsonb_array_elements(edge_rows) AS x),
+  ins AS (
     INSERT INTO jobs AS j (task, payload, queue, priority, run_at, max_attempts,
                            trace_context, key, status, pending, dependents)
     SELECT r->>0, r->1, r->>2, (r->>3)::int,
       coalesce((r->>4)::timestamptz, now()) + make_interval(secs => (r->>5)::float8),
       (r->>6)::int, r->7, r->>8,
-      CASE WHEN (r->>9)::int > 0 THEN 'waiting' ELSE 'queued' END::job_status,
-      nullif((r->>9)::int, 0), nullif((r->>10)::boolean, false)
-    FROM jsonb_array_elements(job_rows) WITH ORDINALITY AS t(r, n) ORDER BY n
+      CASE WHEN p.n IS NULL THEN 'queued' ELSE 'waiting' END::job_status, p.n,
+      CASE WHEN k.parent IS NOT NULL THEN true END
+    FROM jsonb_array_elements(job_rows) WITH ORDINALITY AS t(r, i)
+    LEFT JOIN (SELECT child, count(*)::int AS n FROM e GROUP BY child) p ON p.child = t.i - 1
+    LEFT JOIN (SELECT DISTINCT parent FROM e WHERE parent IS NOT NULL) k
+      ON k.parent = t.i - 1
+    ORDER BY t.i
     RETURNING j.id)
   SELECT array_agg(ins.id ORDER BY ins.id) INTO ids FROM ins;
+  -- Edges to parents named by id in their ids' order: the checks at commit (deferred, in the
+  -- order of the rows) then lock those parents in the order the worker's statements do.
   INSERT INTO job_deps (parent_id, child_id, run_on_failure, named)
   SELECT coalesce((e->>1)::bigint, ids[(e->>0)::int + 1]), ids[(e->>2)::int + 1],
          (e->>3)::boolean, e->>1 IS NOT NULL
-  FROM jsonb_array_elements(edge_rows) AS e;
+  FROM jsonb_array_elements(edge_rows) AS e
+  ORDER BY (e->>1)::bigint NULLS FIRST;
   RETURN QUERY SELECT u.id, false FROM unnest(ids) AS u(id);
 END
 $$;

@@ -137,6 +137,10 @@ class MaintenanceStatements(Role):
             "  WHERE h.finished_at < now() - make_interval(secs => %(min_age)s)"
             "    AND h.finished_at < now() - make_interval(secs =>"
             "      CASE WHEN r.queue IS NULL THEN %(default_age)s ELSE r.age END)"
+            # A parent stays while a child of it is live: the child reads its result when
+            # it runs (0012_workflows.sql).
+            "    AND NOT EXISTS (SELECT FROM {s}.job_deps d JOIN {s}.jobs c"
+            "      ON c.id = d.child_id WHERE d.parent_id = h.id)"
             "  LIMIT %(limit)s),"
             " deleted AS ("
             "  DELETE FROM {s}.jobs_history h USING doomed WHERE h.id = doomed.id"
