@@ -64,7 +64,7 @@ async def scalar(q: Queue, query: str, *params: Any) -> Any:
 async def fan_in(dsn: str, parents: int, repeats: int) -> dict[str, Any]:
     q = Queue(dsn, schema=SCHEMA)
     procs = [spawn_worker(dsn, "--concurrency", "20", "--batch", "20") for _ in range(4)]
-    runs, seconds = [], []
+    runs, seconds, gaps = [], [], []
     try:
         async with q:
             for _ in range(repeats):
@@ -78,6 +78,12 @@ async def fan_in(dsn: str, parents: int, repeats: int) -> dict[str, Any]:
                 assert info.status == "done" and info.result == sum(range(parents)), info
                 runs.append(await scalar(q, "SELECT count(*) FROM {s}.runs WHERE job_id = %s",
                                          ids[-1]))
+                # Where a slow fan-in's time went: from its last parent's end to the child's
+                # claim (the child's row in history keeps no start; its run's log row does).
+                gaps.append(await scalar(
+                    q, "SELECT round(1000 * extract(epoch FROM (SELECT max(at) FROM {s}.runs"
+                       " WHERE job_id = %s) - (SELECT max(finished_at) FROM {s}.jobs_history"
+                       " WHERE id = ANY(%s))))::int", ids[-1], ids[:-1]))
             pids = await scalar(q, "SELECT count(DISTINCT locked_by) FROM {s}.jobs_history"
                                    " WHERE task = 'part'")
     finally:
@@ -86,7 +92,9 @@ async def fan_in(dsn: str, parents: int, repeats: int) -> dict[str, Any]:
             "child_runs": runs, "every_child_ran_once": all(r == 1 for r in runs),
             "workers_that_finished_parents": pids,
             "seconds_per_fan_in": {"median": round(statistics.median(seconds), 2),
-                                   "max": round(max(seconds), 2)}}
+                                   "max": round(max(seconds), 2),
+                                   "all": [round(x, 2) for x in seconds]},
+            "last_parent_done_to_child_logged_ms": gaps}
 
 
 async def chain(dsn: str, n: int) -> dict[str, Any]:
@@ -178,7 +186,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await c.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
         await q.install()
         async with q.connection() as c:
-            await c.execute(f"CREATE TABLE {SCHEMA}.runs (job_id bigint NOT NULL)")
+            await c.execute(f"CREATE TABLE {SCHEMA}.runs (job_id bigint NOT NULL,"
+                            " at timestamptz NOT NULL DEFAULT clock_timestamp())")
     out: dict[str, Any] = {}
     if "fanin" in args.parts:
         out["fan_in"] = await fan_in(dsn, args.parents, args.repeats)
