@@ -140,9 +140,10 @@ class Workflow:
 
     async def enqueue(self, *, conn: Conn | None = None) -> list[int]:
         """Write the workflow's jobs, all or none; returns their ids in the order they were
-        added. With `conn=`, in that connection's transaction (a savepoint of it): they exist,
-        and run, only if it commits. An unknown parent id raises ConfigurationError and
-        writes nothing."""
+        added. With `conn=`, in that connection's transaction (its open one, in a savepoint;
+        the one psycopg begins on a connection that is not autocommit; one of its own on an
+        idle autocommit one): they exist, and run, only if it commits. An unknown parent id
+        raises ConfigurationError and writes nothing."""
         check_conn(conn)
         if self._enqueued:
             raise ConfigurationError("this workflow was enqueued already: build a new one with "
