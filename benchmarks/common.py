@@ -341,3 +341,18 @@ def run_rounds(cells: Sequence[Cell], rounds: int, label: str) -> dict[str, list
             log(f"    {json.dumps(res, default=str)[:200]}")
             out[name].append(res)
     return out
+
+
+def spawn_app_worker(app: str, dsn: str, *extra: str) -> subprocess.Popen[bytes]:
+    """A worker process of `app` (module:queue, under benchmarks/), as users start one."""
+    env = {**os.environ, "ASYNCJOBQ_DSN": dsn, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "asyncjobq", "worker", app,
+                             "--log-level", "warning", *extra], cwd=ROOT, env=env)
+
+
+def save_parts(name: str, parts: str, result: dict[str, Any], label: str = "") -> None:
+    """Write a study's JSON as results/<name>-<parts>[-<label>].json, and print it."""
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"{name}-{parts.replace(',', '-')}{'-' + label if label else ''}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))

@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import resource
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 from asyncjobq import Job, Queue, Worker
 
-from .common import RESULTS, ROOT
+from .common import save_parts, spawn_app_worker
 
 SCHEMA = "bench_waits"
 
@@ -50,11 +48,7 @@ def rss_mb() -> float:
 
 
 def spawn_worker(dsn: str, *extra: str) -> subprocess.Popen[bytes]:
-    """A worker process of benchmarks/waits_app.py, as users start one."""
-    env = {**os.environ, "ASYNCJOBQ_DSN": dsn, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "asyncjobq", "worker",
-                             "benchmarks.waits_app:queue", "--log-level", "warning", *extra],
-                            cwd=ROOT, env=env)
+    return spawn_app_worker("benchmarks.waits_app:queue", dsn, *extra)
 
 
 async def latency(dsn: str, jobs: int) -> dict[str, Any]:
@@ -202,8 +196,4 @@ if __name__ == "__main__":
     p.add_argument("--cancels", type=int, default=100)
     p.add_argument("--parts", default="latency,many,cancel")
     a = p.parse_args()
-    result = asyncio.run(main(a))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"waits-{a.parts.replace(',', '-')}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    save_parts("waits", a.parts, asyncio.run(main(a)))

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -34,17 +32,14 @@ import psycopg
 
 from asyncjobq import Queue
 
-from .common import RESULTS, ROOT
+from .common import save_parts, spawn_app_worker
 from .waits import pct
 
 SCHEMA = "bench_workflows"
 
 
 def spawn_worker(dsn: str, *extra: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "ASYNCJOBQ_DSN": dsn, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "asyncjobq", "worker",
-                             "benchmarks.workflows_app:queue", "--log-level", "warning",
-                             *extra], cwd=ROOT, env=env)
+    return spawn_app_worker("benchmarks.workflows_app:queue", dsn, *extra)
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -206,8 +201,4 @@ if __name__ == "__main__":
     p.add_argument("--parts", default="fanin,chain,enqueue")
     p.add_argument("--label", default="")
     a = p.parse_args()
-    result = asyncio.run(main(a))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"workflows-{a.parts.replace(',', '-')}{'-' + a.label if a.label else ''}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    save_parts("workflows", a.parts, asyncio.run(main(a)), a.label)

@@ -508,7 +508,7 @@ async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
         flow_ids = await wf.enqueue()
         async with producer.connection() as conn:
             await assert_denied(conn, schema, "INSERT INTO {s}.job_deps VALUES (1, 2)",
-                                "SELECT {s}.job_deps_settle(ARRAY[1]::bigint[], true, '', 1)")
+                                "SELECT {s}.job_deps_settle(ARRAY[1]::bigint[], 'done', 1)")
     job_ids = [first, *many, *keyed, dedup, by_sql, in_tx, *flow_ids]
 
     # Worker: runs them (done, retried, failed), admin calls work, no DDL.

@@ -16,9 +16,11 @@ from ._checks import is_delay as is_delay
 from .errors import ConfigurationError
 
 JobStatus = Literal["waiting", "queued", "running", "done", "failed", "cancelled"]
+STATUSES: tuple[JobStatus, ...] = ("waiting", "queued", "running", "done", "failed",
+                                   "cancelled")
 # The statuses Queue.stats names for every queue; `waiting` (workflows) only for a queue with
 # waiting jobs, so that counts compared with a dict written before workflows still match.
-ALWAYS_COUNTED: tuple[JobStatus, ...] = ("queued", "running", "done", "failed", "cancelled")
+ALWAYS_COUNTED: tuple[JobStatus, ...] = tuple(s for s in STATUSES if s != "waiting")
 
 
 class StatusCounts(dict[str, int]):
@@ -34,8 +36,6 @@ class StatusCounts(dict[str, int]):
 
 # What a job does when one of its parents is dead-lettered or cancelled (asyncjobq.workflow).
 OnParentFailure = Literal["cancel", "run"]
-STATUSES: tuple[JobStatus, ...] = ("waiting", "queued", "running", "done", "failed",
-                                   "cancelled")
 # The statuses after which nothing more happens to a job (Queue.wait returns).
 FINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 # The largest progress value, as JSON text: progress is a small status, not a result.

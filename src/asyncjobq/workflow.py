@@ -9,15 +9,11 @@ a workflow of one job whose parents exist already.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
-
-import psycopg
-from psycopg.pq import TransactionStatus
 
 from . import tracing
 from ._checks import (
@@ -27,8 +23,8 @@ from ._checks import (
     check_timing,
     encode_payload,
 )
-from ._db.inserter import _maybe_written, _refused
-from .errors import ConfigurationError, EnqueueConnectionError, EnqueueRefusedError, reason
+from ._db.inserter import write
+from .errors import ConfigurationError, EnqueueRefusedError
 from .job import OnParentFailure
 from .task import Task
 
@@ -56,11 +52,17 @@ class Step:
 
 @dataclass
 class _Job:
-    row: list[Any]  # workflow_insert's row, less pending and dependents
-    task: str
-    queue: str
+    row: list[Any]  # enqueue_workflow()'s row (0012_workflows.sql), trace context unset
     parents: list[int | Step]
     run_on_failure: bool
+
+    @property
+    def task(self) -> str:
+        return str(self.row[0])
+
+    @property
+    def queue(self) -> str:
+        return str(self.row[2])
 
 
 class Workflow:
@@ -116,7 +118,7 @@ class Workflow:
         parents = self._parents(after)
         row = [name, json.loads(body), q, prio,
                when.astimezone(UTC).isoformat() if when else None, secs, attempts, None, key]
-        self._jobs.append(_Job(row, name, q, parents, on_parent_failure == "run"))
+        self._jobs.append(_Job(row, parents, on_parent_failure == "run"))
         return Step(len(self._jobs) - 1, name, self)
 
     def _parents(self, after: object) -> list[int | Step]:
@@ -140,10 +142,9 @@ class Workflow:
 
     async def enqueue(self, *, conn: Conn | None = None) -> list[int]:
         """Write the workflow's jobs, all or none; returns their ids in the order they were
-        added. With `conn=`, in that connection's transaction (its open one, in a savepoint;
-        the one psycopg begins on a connection that is not autocommit; one of its own on an
-        idle autocommit one): they exist, and run, only if it commits. An unknown parent id
-        raises ConfigurationError and writes nothing."""
+        added. With `conn=`, in that connection's transaction, as `Queue.enqueue(conn=)`
+        writes: they exist, and run, only if it commits. An unknown parent id raises
+        ConfigurationError and writes nothing."""
         check_conn(conn)
         if self._enqueued:
             raise ConfigurationError("this workflow was enqueued already: build a new one with "
@@ -181,51 +182,26 @@ class Workflow:
         return _json(rows), _json(edges)
 
     async def _write(self, conn: Conn | None, trace: str | None) -> list[int]:
-        db = self._queue.database
+        # One statement (enqueue_workflow), so write() runs it as any enqueue's INSERT: in
+        # the caller's transaction on conn=, alone (all or none) otherwise, and says what a
+        # failure leaves written.
         what = f"the workflow's {len(self._jobs)} jobs (all or none of them)"
-        params = self._encoded(trace)
-        # Whose transaction: a savepoint of the caller's open one (a refusal leaves it
-        # usable); the caller's to come on a non-autocommit connection (psycopg begins it at
-        # the statement, they commit it); else one of our own, committed here.
-        theirs = conn is not None and (
-            conn.info.transaction_status == TransactionStatus.INTRANS or not conn.autocommit)
-        in_savepoint = conn is not None and (
-            conn.info.transaction_status == TransactionStatus.INTRANS)
-        committing = False  # the statement returned: what fails after it is our COMMIT
-        c: Conn | None = conn
         try:
-            with db.translate_errors():
-                async with contextlib.AsyncExitStack() as stack:
-                    if c is None:
-                        c = await stack.enter_async_context(db.connection())
-                    if not theirs or in_savepoint:
-                        await stack.enter_async_context(c.transaction())
-                    cur = await c.execute(db.sql.workflow_enqueue, params)
-                    rows = await cur.fetchall()
-                    unknown = sorted(int(i) for i, u in rows if u)
-                    if unknown:  # the function wrote nothing
-                        raise _unknown(unknown)
-                    committing = not theirs
-                return [int(i) for i, _ in rows]
-        except psycopg.Error as e:
-            lost = c is not None and (c.closed or c.broken)
-            if lost and committing:  # lost in our COMMIT: the server may have applied it
-                raise _maybe_written(what, reason(e), _UNSURE) from None
-            if lost and theirs:
-                raise EnqueueConnectionError(
-                    f"enqueue: the connection passed as conn= was lost ({reason(e)}): its "
-                    f"transaction is lost (the server rolls it back), {what} included: run "
-                    "the transaction again on a new connection",
-                    may_have_been_written=False) from None
-            refused = _refused(what, e, caller=theirs and not in_savepoint)
-            if e.sqlstate == "42501":
-                raise EnqueueRefusedError(
-                    f"enqueue: PostgreSQL refused {what} ({reason(e)}); nothing was written; "
-                    f"grant the producer's role EXECUTE ON FUNCTION "
-                    f"{self._queue.schema}.enqueue_workflow(jsonb, jsonb) "
-                    "(docs/guides/roles.md, a role that enqueues workflows)",
-                    sqlstate=e.sqlstate) from e
-            raise refused from e
+            rows = await write(self._queue.database, conn,
+                               self._queue.sql.workflow_enqueue, self._encoded(trace),
+                               what=what, resend=False, advice=_UNSURE)
+        except EnqueueRefusedError as e:
+            if e.sqlstate != "42501":
+                raise
+            raise EnqueueRefusedError(
+                f"enqueue: PostgreSQL refused {what} (permission denied); nothing was "
+                "written; grant the producer's role EXECUTE ON FUNCTION "
+                f"{self._queue.schema}.enqueue_workflow(jsonb, jsonb) (docs/guides/roles.md, "
+                "a role that enqueues workflows)", sqlstate=e.sqlstate) from e
+        unknown = sorted(int(i) for i, u in rows if u)
+        if unknown:  # the function wrote nothing
+            raise _unknown(unknown)
+        return [int(i) for i, _ in rows]
 
 
 def _unknown(ids: list[int]) -> ConfigurationError:

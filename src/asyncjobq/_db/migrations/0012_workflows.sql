@@ -44,17 +44,21 @@ CREATE INDEX job_deps_child_idx ON job_deps (child_id);
 SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', true);
 
 -- Applies the end of the jobs `frontier` to their children, the edges not applied yet (only
--- the one to `only_child` when given): `ok` (the parent is done) or a child that runs anyway
--- takes one off its count, queued at 0 (its queue's workers notified); the others are
--- cancelled into history, `last_error` naming the parent and `why` it failed, and their own
--- children are the next round's frontier. A loop, not a trigger firing for each cancelled
+-- the one to `only_child` when given). `how` they ended: their status, or NULL when they
+-- were deleted without one. Done, or a child that runs anyway, takes one off the child's
+-- count, queued at 0 (its queue's workers notified); the others are cancelled into history,
+-- `last_error` naming the parent and how it ended, and their own children are the next
+-- round's frontier, cancelled parents. A loop, not a trigger firing for each cancelled
 -- child: a chain cancelled thousands deep stays within PostgreSQL's stack. Each statement has
 -- a snapshot of its own: it sees the edges of a producer that committed meanwhile.
 -- The INSERT into jobs_history lists HISTORY_COLUMNS (src/asyncjobq/_db/sql/common.py): a
 -- column added to both tables is added here too.
-CREATE FUNCTION job_deps_settle(frontier bigint[], ok boolean, why text, only_child bigint)
+CREATE FUNCTION job_deps_settle(frontier bigint[], how text, only_child bigint)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
+  ok boolean := how IS NOT DISTINCT FROM 'done';
+  why text := CASE how WHEN 'failed' THEN 'dead-lettered' WHEN 'cancelled' THEN 'cancelled'
+                       ELSE 'deleted' END;
   sent int;
   doomed bigint[];
   blamed bigint[];
@@ -129,10 +133,7 @@ BEGIN
   ELSE
     SELECT h.status::text INTO how FROM jobs_history h WHERE h.id = OLD.id;
   END IF;
-  PERFORM job_deps_settle(ARRAY[OLD.id], how IS NOT DISTINCT FROM 'done',
-                          CASE how WHEN 'failed' THEN 'dead-lettered'
-                                     WHEN 'cancelled' THEN 'cancelled' ELSE 'deleted' END,
-                          NULL);
+  PERFORM job_deps_settle(ARRAY[OLD.id], how, NULL);
   RETURN NULL;
 END
 $$;
@@ -169,10 +170,7 @@ BEGIN
     -- Live again (a dead-lettered parent retried meanwhile): mark it after all.
     EXIT WHEN how IS NULL OR how NOT IN ('waiting', 'queued', 'running');
   END LOOP;
-  PERFORM job_deps_settle(ARRAY[NEW.parent_id], how IS NOT DISTINCT FROM 'done',
-                          CASE how WHEN 'failed' THEN 'dead-lettered'
-                                     WHEN 'cancelled' THEN 'cancelled' ELSE 'deleted' END,
-                          NEW.child_id);
+  PERFORM job_deps_settle(ARRAY[NEW.parent_id], how, NEW.child_id);
   RETURN NULL;
 END
 $$;
@@ -241,4 +239,4 @@ $$;
 
 -- Producers are granted these by name (docs/guides/roles.md), not every role by default.
 REVOKE EXECUTE ON FUNCTION enqueue_workflow(jsonb, jsonb) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION job_deps_settle(bigint[], boolean, text, bigint) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION job_deps_settle(bigint[], text, bigint) FROM PUBLIC;
