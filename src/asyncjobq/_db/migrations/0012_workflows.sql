@@ -143,9 +143,8 @@ CREATE TRIGGER jobs_parent_ended_delete AFTER DELETE ON jobs
 -- OF finished_at, not OF status: every statement that dead-letters a job sets finished_at
 -- (the completion flush, the reaper, the release of lost claims), and the claim does not. A
 -- statement whose SET list misses the trigger's column never evaluates its WHEN; one that
--- does builds the WHEN's expression once per statement, which cost the claim ~5 % of the
--- server's CPU per job (benchmarks/results/WORKFLOWS.md). IS TRUE: false, not NULL, for a
--- row without children, so that the rest is not evaluated.
+-- does builds the WHEN's expression once per statement (benchmarks/results/WORKFLOWS.md).
+-- IS TRUE: false, not NULL, for a row without children, so that the rest is not evaluated.
 CREATE TRIGGER jobs_parent_ended_failed AFTER UPDATE OF finished_at ON jobs
   FOR EACH ROW WHEN (OLD.dependents IS TRUE AND NEW.status::text = 'failed'
                      AND OLD.status::text <> 'failed')
