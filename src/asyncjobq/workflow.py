@@ -24,7 +24,7 @@ from ._checks import (
     encode_payload,
 )
 from ._db.inserter import write
-from .errors import ConfigurationError, EnqueueRefusedError
+from .errors import ConfigurationError
 from .job import OnParentFailure
 from .task import Task
 
@@ -186,18 +186,12 @@ class Workflow:
         # the caller's transaction on conn=, alone (all or none) otherwise, and says what a
         # failure leaves written.
         what = f"the workflow's {len(self._jobs)} jobs (all or none of them)"
-        try:
-            rows = await write(self._queue.database, conn,
-                               self._queue.sql.workflow_enqueue, self._encoded(trace),
-                               what=what, resend=False, advice=_UNSURE)
-        except EnqueueRefusedError as e:
-            if e.sqlstate != "42501":
-                raise
-            raise EnqueueRefusedError(
-                f"enqueue: PostgreSQL refused {what} (permission denied); nothing was "
-                "written; grant the producer's role EXECUTE ON FUNCTION "
-                f"{self._queue.schema}.enqueue_workflow(jsonb, jsonb) (docs/guides/roles.md, "
-                "a role that enqueues workflows)", sqlstate=e.sqlstate) from e
+        rows = await write(
+            self._queue.database, conn, self._queue.sql.workflow_enqueue, self._encoded(trace),
+            what=what, resend=False, advice=_UNSURE,
+            denied=("grant the producer's role USAGE on the queue's schema and EXECUTE ON "
+                    f"FUNCTION {self._queue.schema}.enqueue_workflow(jsonb, jsonb) "
+                    "(docs/guides/roles.md, a role that enqueues workflows)"))
         unknown = sorted(int(i) for i, u in rows if u)
         if unknown:  # the function wrote nothing
             raise _unknown(unknown)

@@ -148,7 +148,8 @@ class Inserter:
 
 
 async def write(db: Database, conn: Conn | None, statement: Statement, params: Any, *,
-                what: str, resend: bool, advice: str) -> list[tuple[Any, ...]]:
+                what: str, resend: bool, advice: str,
+                denied: str | None = None) -> list[tuple[Any, ...]]:
     """Run an enqueue's INSERT and return its rows; a lost connection raises
     EnqueueConnectionError, saying whether `what` ("the job", "the 3 jobs") may exist.
 
@@ -157,12 +158,14 @@ async def write(db: Database, conn: Conn | None, statement: Statement, params: A
     (Database.connection), and a server that is down is waited for. After the statement was
     sent, the server may have committed it before the reply was lost; it is sent again only
     if `resend` (a dedup_key INSERT: a second one returns the first one's job). `advice` says
-    how to enqueue again safely when the job may exist.
+    how to enqueue again safely when the job may exist; `denied`, what to grant when the
+    server refuses the statement for privileges (42501), when not INSERT on jobs.
 
     With `conn`, the caller's transaction is theirs: nothing is retried.
     """
     if conn is not None:
-        return await _write_on_callers(db, conn, statement, params, what=what, advice=advice)
+        return await _write_on_callers(db, conn, statement, params, what=what, advice=advice,
+                                       denied=denied)
     deadline = time.monotonic() + db.connect_timeout
     lost: str | None = None  # why a connection was lost after the statement was sent
     while True:
@@ -181,14 +184,16 @@ async def write(db: Database, conn: Conn | None, statement: Statement, params: A
             raise _maybe_written(what, lost, advice) from None
         except psycopg.Error as e:
             if c is None or not (c.closed or c.broken):
-                raise _refused(what, e, caller=False) from e  # not a connection failure
+                # Not a connection failure.
+                raise _refused(what, e, caller=False, denied=denied) from e
             lost = reason(e)
             if not resend or time.monotonic() >= deadline:
                 raise _maybe_written(what, lost, advice) from None
 
 
 async def _write_on_callers(db: Database, conn: Conn, statement: Statement, params: Any, *,
-                            what: str, advice: str) -> list[tuple[Any, ...]]:
+                            what: str, advice: str,
+                            denied: str | None = None) -> list[tuple[Any, ...]]:
     # Outside a transaction block, an autocommit connection commits the INSERT by itself;
     # otherwise it is part of the caller's transaction, which dies with the connection.
     own_commit = conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
@@ -198,7 +203,7 @@ async def _write_on_callers(db: Database, conn: Conn, statement: Statement, para
             return await cur.fetchall()
     except psycopg.Error as e:
         if not (conn.closed or conn.broken):
-            raise _refused(what, e, caller=not own_commit) from e
+            raise _refused(what, e, caller=not own_commit, denied=denied) from e
         if own_commit:
             raise _maybe_written(what, reason(e), advice, caller=True) from None
         raise EnqueueConnectionError(
@@ -227,9 +232,10 @@ _REFUSED_ADVICE = {
 }
 
 
-def _refused(what: str, e: psycopg.Error, *, caller: bool) -> EnqueueRefusedError:
+def _refused(what: str, e: psycopg.Error, *, caller: bool,
+             denied: str | None = None) -> EnqueueRefusedError:
     sqlstate = e.sqlstate
-    advice = (_REFUSED_ADVICE.get(sqlstate or "")
+    advice = ((denied if sqlstate == "42501" else None) or _REFUSED_ADVICE.get(sqlstate or "")
               or "fix what the server names and enqueue again")
     tx = (": the transaction on conn= is aborted, roll it back and run it again once fixed"
           if caller else "")
