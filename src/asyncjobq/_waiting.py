@@ -34,6 +34,9 @@ RETRY_ON: tuple[type[Exception], ...] = (*RETRYABLE, OSError)
 # Seconds between reads of every job still waited for: the most a lost notification delays
 # a wait.
 RECHECK = 5.0
+# Seconds between reads of every waited job when there is no LISTEN (a transaction pooler
+# without listen_dsn): a wait ends at most this long after its job does.
+POLL = 0.5
 # Jobs read per statement: an id list this long is one index scan per table.
 BATCH = 5000
 # Seconds the listening connection is kept once no wait is left.
@@ -118,49 +121,60 @@ class Waiter:
         self._unmarked.clear()
 
     async def _listen(self, retry: RetryPolicy) -> None:
+        dsn = self._db.listen_dsn
+        if dsn is None:
+            # Behind a transaction pooler LISTEN hears nothing: every waited job is read
+            # every POLL seconds instead (Queue(listen_dsn=...) avoids it).
+            await self._serve(retry, None, POLL)
+            return
         conn = await AsyncConnection.connect(
-            self._db.dsn, autocommit=True, connect_timeout=max(1, round(self._db.connect_timeout)),
+            dsn, autocommit=True, connect_timeout=max(1, round(self._db.connect_timeout)),
             application_name=self._name)
         try:
             await conn.execute(sql.SQL("LISTEN {}").format(
                 sql.Identifier(self._db.done_channel)))
-            self.connects += 1
-            # Notifications sent before this LISTEN are lost: read every waited job again.
-            await self._read(set(self._futures), mark=set(self._unmarked))
-            retry.succeeded()  # only once a read went through: a failing read backs off
-            last_full = time.monotonic()
-            idle_since: float | None = None
-            notifies = asyncio.create_task(self._hear(conn))
-            try:
-                # Kept while waits come and go, and IDLE seconds after the last: an app that
-                # waits for one job at a time does not connect for each.
-                while self._futures or (idle_since is not None
-                                        and time.monotonic() - idle_since < IDLE):
-                    if not self._futures and idle_since is None:
-                        idle_since = time.monotonic()
-                    elif self._futures:
-                        idle_since = None
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(RECHECK):
-                            await self._wake.wait()
-                    if notifies.done():
-                        notifies.result()  # the connection's error, raised here
-                        return
-                    self._wake.clear()
-                    if time.monotonic() - last_full >= RECHECK:
-                        # Every RECHECK seconds, woken or not: lost notifications (and jobs
-                        # finished by statements that send none) are found here.
-                        last_full = time.monotonic()
-                        await self._read(set(self._futures), mark=set(self._unmarked))
-                    else:
-                        named, self._named = self._named & set(self._futures), set()
-                        await self._read(named | self._unmarked, mark=set(self._unmarked))
-            finally:
-                notifies.cancel()
-                with contextlib.suppress(asyncio.CancelledError, *RETRYABLE):
-                    await notifies
+            await self._serve(retry, conn, RECHECK)
         finally:
             await conn.close()
+
+    async def _serve(self, retry: RetryPolicy, conn: AsyncConnection[tuple[object, ...]] | None,
+                     recheck: float) -> None:
+        self.connects += 1
+        # Notifications sent before this LISTEN are lost: read every waited job again.
+        await self._read(set(self._futures), mark=set(self._unmarked))
+        retry.succeeded()  # only once a read went through: a failing read backs off
+        last_full = time.monotonic()
+        idle_since: float | None = None
+        notifies = asyncio.create_task(self._hear(conn) if conn is not None
+                                       else asyncio.Event().wait())
+        try:
+            # Kept while waits come and go, and IDLE seconds after the last: an app that
+            # waits for one job at a time does not connect for each.
+            while self._futures or (idle_since is not None
+                                    and time.monotonic() - idle_since < IDLE):
+                if not self._futures and idle_since is None:
+                    idle_since = time.monotonic()
+                elif self._futures:
+                    idle_since = None
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(recheck):
+                        await self._wake.wait()
+                if notifies.done():
+                    notifies.result()  # the connection's error, raised here
+                    return
+                self._wake.clear()
+                if time.monotonic() - last_full >= recheck:
+                    # Every `recheck` seconds, woken or not: lost notifications (and jobs
+                    # finished by statements that send none) are found here.
+                    last_full = time.monotonic()
+                    await self._read(set(self._futures), mark=set(self._unmarked))
+                else:
+                    named, self._named = self._named & set(self._futures), set()
+                    await self._read(named | self._unmarked, mark=set(self._unmarked))
+        finally:
+            notifies.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *RETRYABLE):
+                await notifies
 
     async def _hear(self, conn: AsyncConnection[tuple[object, ...]]) -> None:
         try:

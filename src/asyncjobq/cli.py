@@ -38,7 +38,7 @@ from .errors import (
     reason,
 )
 from .logs import JsonFormatter
-from .queue import Queue
+from .queue import POOLERS, Queue
 from .worker import Worker
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -246,6 +246,13 @@ def load_checked_app(app: str) -> Queue:
               "attempt and worker where they apply.")
 @click.option("--dsn", default=None, metavar="DSN", callback=_dsn_param,
               help="PostgreSQL DSN; overrides the app's; else $ASYNCJOBQ_DSN; else embedded.")
+@click.option("--pooler", type=click.Choice(POOLERS), default=None,
+              help="What --dsn points at: a transaction-mode pooler (PgBouncer), a session "
+              "pooler, or PostgreSQL itself.  [default: the app's Queue(pooler=), auto]")
+@click.option("--listen-dsn", default=None, metavar="DSN", callback=_dsn_param,
+              envvar="ASYNCJOBQ_LISTEN_DSN",
+              help="A direct connection to PostgreSQL for LISTEN when --dsn goes through a "
+              "transaction pooler; else $ASYNCJOBQ_LISTEN_DSN; without it, such a worker polls.")
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
               metavar="PORT", help="Serve Prometheus metrics at :PORT/metrics "
               "(needs asyncjobq[prometheus]).")
@@ -254,13 +261,15 @@ def load_checked_app(app: str) -> Queue:
 @_guard
 def worker(app: str, queues: tuple[str, ...], concurrency: int, batch: int | None, lease: float,
            poll_interval: float, shutdown_timeout: float, name: str | None, no_listen: bool,
-           log_level: str, log_format: str, dsn: str | None, metrics_port: int | None,
-           metrics_host: str) -> None:
+           log_level: str, log_format: str, dsn: str | None, pooler: str | None,
+           listen_dsn: str | None, metrics_port: int | None, metrics_host: str) -> None:
     """Run a worker for APP (module:attribute naming a Queue) until SIGTERM/SIGINT."""
     formatter = _setup_logging(log_level, log_format)
     queue = load_checked_app(app)
     if dsn:
         queue.set_dsn(dsn)
+    if pooler is not None or listen_dsn:
+        queue.set_pooler(pooler, listen_dsn=listen_dsn)
     if queue.application_name == "asyncjobq":
         # Tells workers from producers in pg_stat_activity.
         queue.application_name = "asyncjobq-worker"

@@ -311,20 +311,25 @@ async def _check_xmin(report: Report, conn: Any, st: Any, xmin_age: float) -> No
 async def explain_claim(conn: Any, st: Any, queue_name: str, limit: int = 1) -> dict[str, Any]:
     """The claim statement workers run, its generic plan, under EXPLAIN (ANALYZE, BUFFERS),
     rolled back: its scan, blocks, time."""
-    # A rollback does not undo PREPARE, but psycopg answers one with DEALLOCATE ALL when it has
-    # prepared statements of its own on the connection: look before dropping ours.
-    await conn.execute(st.job_claim_one_queue_prepare)
-    try:
-        async with conn.transaction(force_rollback=True):
-            # Never wait on a lock or run long: this is a look, not a claim.
-            await conn.execute(st.doctor_set_local_timeouts)
-            await conn.execute(st.doctor_worker_plans_local)
-            cur = await conn.execute(
-                st.job_claim_one_queue_explain("asyncjobq-doctor", queue_name, limit))
-            row = await cur.fetchone()
-    finally:
-        if not conn.closed and await (await conn.execute(st.doctor_claim_prepared)).fetchone():
-            await conn.execute(st.job_claim_one_queue_deallocate)
+    # Prepared, run and dropped in one transaction: behind a transaction pooler the next
+    # transaction may be another server connection's. A rollback does not undo PREPARE, and
+    # psycopg answers one with DEALLOCATE ALL when it has prepared statements of its own on
+    # the connection: look before dropping ours, after a savepoint kept the transaction usable.
+    row = None
+    async with conn.transaction(force_rollback=True):
+        await conn.execute(st.job_claim_one_queue_prepare)
+        try:
+            async with conn.transaction():
+                # Never wait on a lock or run long: this is a look, not a claim.
+                await conn.execute(st.doctor_set_local_timeouts)
+                await conn.execute(st.doctor_worker_plans_local)
+                cur = await conn.execute(
+                    st.job_claim_one_queue_explain("asyncjobq-doctor", queue_name, limit))
+                row = await cur.fetchone()
+        finally:
+            if not conn.closed and await (
+                    await conn.execute(st.doctor_claim_prepared)).fetchone():
+                await conn.execute(st.job_claim_one_queue_deallocate)
     plan = row[0][0] if row else {}
     return _summarise_plan(queue_name, plan)
 

@@ -126,7 +126,16 @@ def reason(e: BaseException) -> str:
                 "made while holding queue.connection()), or the server may be refusing new "
                 "connections (check max_connections and other clients) or be down")
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    if getattr(e, "sqlstate", None) in _POOLED_STATEMENT_ERRORS:
+        # psycopg prepared it on one server connection, a pooler ran it on another.
+        line += (" (if a transaction-mode pooler such as PgBouncer sits between asyncjobq "
+                 "and PostgreSQL, use Queue(..., pooler='transaction'))")
+    return line
+
+
+# 26000 prepared statement "_pg3_0" does not exist, 42P05 ... already exists.
+_POOLED_STATEMENT_ERRORS = frozenset({"26000", "42P05"})
 
 
 def a_or_an(noun: str) -> str:

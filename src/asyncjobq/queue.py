@@ -84,6 +84,8 @@ from .task import Backoff, Handler, Task, name_of
 from .workflow import Workflow
 
 log = logging.getLogger("asyncjobq.queue")
+# What a Queue's DSN may point at (Queue(pooler=...); docs/guides/deploying.md).
+POOLERS = ("auto", "transaction", "session", "none")
 
 
 
@@ -103,6 +105,13 @@ class Queue:
         retention: how long done and cancelled jobs stay in history (a timedelta or seconds;
             None keeps them forever).
         queue_retention: retention per queue name, overriding `retention`.
+        max_result_bytes: the largest handler return value stored as a job's result.
+        pooler: what sits between this process and PostgreSQL. "auto" (the default) finds
+            out as the queue opens; "transaction" when `dsn` points at a transaction-mode
+            pooler such as PgBouncer (no prepared statements, session settings or LISTEN on
+            it); "session" or "none" for a session pooler or PostgreSQL itself.
+        listen_dsn: a direct connection to PostgreSQL for LISTEN when `dsn` goes through a
+            transaction pooler; without it, workers and `wait` poll (docs/guides/deploying.md).
 
     Attributes:
         tasks: the registered tasks by name (`@queue.task()`).
@@ -123,6 +132,8 @@ class Queue:
         retention: Age = DEFAULT_RETENTION,
         queue_retention: Mapping[str, Age] | None = None,
         max_result_bytes: int = 1_000_000,
+        pooler: str = "auto",
+        listen_dsn: str | None = None,
     ) -> None:
         schema = validate_schema(schema)
         # At most 64 MiB: a flush carries its batch's results in one parameter (the worker
@@ -147,6 +158,7 @@ class Queue:
         self._db = Database(dsn, schema=schema, pool_min_size=pool_min_size,
                             pool_max_size=pool_max_size, connect_timeout=connect_timeout,
                             application_name=application_name)
+        self.set_pooler(pooler, listen_dsn=listen_dsn)
         self._inserter: Inserter | None = None
         self.tasks: dict[str, Task] = {}
         # Periodic schedules by name (queue.periodic, @queue.task(cron=...)).
@@ -197,8 +209,18 @@ class Queue:
         self._db.application_name = name
 
     def set_dsn(self, dsn: str | None) -> None:
-        """Point a not-yet-opened queue at another database (the CLI's `--dsn` does this)."""
+        """Point a not-yet-opened queue at another database (the CLI's `--dsn` does this);
+        a `listen_dsn` given before is forgotten (it reached the other database)."""
         self._db.set_dsn(dsn)
+
+    def set_pooler(self, pooler: str | None, *, listen_dsn: str | None = None) -> None:
+        """Say what a not-yet-opened queue's DSN points at, as `Queue(pooler=, listen_dsn=)`
+        do (the worker command's `--pooler` and `--listen-dsn`); None keeps the setting."""
+        if pooler is not None and pooler not in POOLERS:
+            raise ConfigurationError(
+                f"pooler={pooler!r}: use one of {', '.join(map(repr, POOLERS))} ('transaction' "
+                "when the DSN points at PgBouncer in transaction mode)")
+        self._db.set_pooler(pooler, None if listen_dsn is None else check_dsn(listen_dsn))
 
     @contextmanager
     def bound_to(self, dsn: str, schema: str) -> Iterator[Queue]:

@@ -176,8 +176,9 @@ async def _drop_schema(dsn: str, st: Statements) -> None:
                                                      connect_timeout=10) as conn:
         # A worker the test left running may hold locks on its tables: wait a little, not
         # forever (the test reports its own failure; a leftover schema is only litter).
-        await conn.execute(st.session_lock_timeout_5s)
-        await conn.execute(st.schema_drop)
+        async with conn.transaction():
+            await conn.execute(st.local_lock_timeout_5s)
+            await conn.execute(st.schema_drop)
 
 
 # --- enqueued, assert_enqueued, refute_enqueued --------------------------------------------

@@ -145,6 +145,7 @@ class Worker:
         self.poll_interval = float(poll_interval)
         self.shutdown_timeout = float(shutdown_timeout)
         self.listen = listen
+        self._listens = listen  # and whether it can, once open (a pooler: _run)
         self.flush_interval = flush_interval
         self.reap_interval = reap_interval if reap_interval is not None else min(5.0, lease / 2)
         check_positive("prune_interval", prune_interval, integer=False)
@@ -277,8 +278,19 @@ class Worker:
             on_cut_off=self._running.cut_off,
             on_cancel=lambda keys: self._running.cancel_requested(keys=keys))
         self.pruner = Pruner(db, self.queue.retention, interval=self.prune_interval)
+        # The leader's vacuum holds a session lock while VACUUM runs: nothing a transaction
+        # pooler can keep. Behind one, the table is left to autovacuum.
         self.vacuum = (HotTableVacuum(db, interval=self.vacuum_interval)
-                       if self.vacuum_interval is not None else None)
+                       if self.vacuum_interval is not None and not db.pooled else None)
+        self._listens = self.listen and db.listen_dsn is not None
+        if self.listen and not self._listens:
+            log.warning(
+                "worker %s: the database is reached through a transaction pooler, where "
+                "LISTEN hears nothing: polling every %g s (Queue(listen_dsn=...), a direct "
+                "connection to PostgreSQL, wakes workers at once)", self.id, self.poll_interval)
+        if db.pooled and self.vacuum_interval is not None:
+            log.info("worker %s: behind a transaction pooler the leader leaves the vacuum of "
+                     "%s.jobs to autovacuum", self.id, db.schema)
         self.reaper = Reaper(db, lease=self.lease, interval=self.reap_interval,
                              hooks=self.queue.hooks,
                              observe=collected.observe_reaped if collected is not None else None)
@@ -330,11 +342,13 @@ class Worker:
             services.start_soon(heartbeat.tick)
             services.start_soon(runner.run)
             services.start_soon(self._progress.run)
-            if self.listen:
+            if self._listens:
                 # Floors need notifications: a worker that polls never claims from them.
                 services.start_soon(fetcher.watch_horizon)
+                assert self.queue.database.listen_dsn is not None
                 self.listener = Listener(
-                    self.queue.dsn, self.queue.channel, fetcher.notify, fetcher.listening,
+                    self.queue.database.listen_dsn, self.queue.channel, fetcher.notify,
+                    fetcher.listening,
                     on_disconnect=fetcher.deaf,
                     application_name=f"{self.queue.application_name}-listen",
                     also={self.queue.database.cancel_channel: self._control.cancel_notified})

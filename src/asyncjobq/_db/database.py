@@ -31,6 +31,7 @@ from ..errors import (
 from .dsn import redact, resolve_dsn
 from .sql import Statements, statements
 
+log = logging.getLogger("asyncjobq.database")
 Conn = AsyncConnection[Any]
 NOT_OPEN = "the queue is not open: use `async with queue:` or `await queue.open()` first"
 # Longest wait between two attempts to replace a lost pooled connection: enqueues resume at
@@ -45,6 +46,8 @@ POOL_TIMEOUT = 30.0
 # unanswered for KEEPALIVES_IDLE + 3 * 2 s, ends the connection with an error instead.
 TCP_USER_TIMEOUT = 10_000
 KEEPALIVES_IDLE = 10
+TCP_OPTIONS = {"keepalives": 1, "keepalives_idle": KEEPALIVES_IDLE, "keepalives_interval": 2,
+               "keepalives_count": 3, "tcp_user_timeout": TCP_USER_TIMEOUT}
 
 
 class OncePerInterval(logging.Filter):
@@ -127,6 +130,12 @@ class Database:
     def __init__(self, dsn: str | None, *, schema: str, pool_min_size: int, pool_max_size: int,
                  connect_timeout: float, application_name: str) -> None:
         self.schema = schema
+        # What sits between us and PostgreSQL (docs/guides/deploying.md, "Behind PgBouncer"):
+        # "auto" finds out at open(); `pooled` is then True behind a pooler, and nothing is
+        # left on a server connection between two transactions.
+        self.pooler = "auto"
+        self.pooled = False
+        self._listen_dsn: str | None = None
         self.sql: Statements = statements(schema)
         self._dsn_arg = dsn
         self._dsn: str | None = None
@@ -159,32 +168,65 @@ class Database:
         return f"{self.schema}_cancel"
 
     @property
+    def listen_dsn(self) -> str | None:
+        """Where LISTEN connections go: `listen_dsn` when given, else the DSN itself,
+        except behind a transaction pooler, where there is none (None: poll instead)."""
+        if self._listen_dsn:
+            return self._listen_dsn
+        return None if self.pooled else self.dsn
+
+    def connect_options(self) -> dict[str, Any]:
+        """Options of every connection the library opens to `dsn` (beside its DSN): the TCP
+        settings above, so that a server gone silent ends the connection with an error.
+
+        Behind a transaction pooler, psycopg must not prepare statements: a statement
+        prepared on one server connection is unknown on the next one the pooler hands out
+        (PgBouncer before 1.21 has no prepared statements of its own)."""
+        options: dict[str, Any] = dict(TCP_OPTIONS)
+        if self.pooled:
+            options["prepare_threshold"] = None
+        return options
+
+    @property
     def dsn(self) -> str:
         """The DSN in use (resolved on first use: argument, $ASYNCJOBQ_DSN, embedded)."""
         if self._dsn is None:
             self._dsn = resolve_dsn(self._dsn_arg)
         return self._dsn
 
+    def set_pooler(self, pooler: str | None, listen_dsn: str | None) -> None:
+        if self._pool is not None:
+            raise ConfigurationError("set_pooler() on an open queue: close it first")
+        if pooler is not None:
+            self.pooler = pooler
+            self.pooled = pooler == "transaction"
+        if listen_dsn is not None:
+            self._listen_dsn = listen_dsn
+
     def set_dsn(self, dsn: str | None) -> None:
         if self._pool is not None:
             raise ConfigurationError("set_dsn() on an open queue: close it first")
         self._dsn_arg = dsn
         self._dsn = None
+        # A listen_dsn given for the old DSN would LISTEN to the old database.
+        self._listen_dsn = None
 
-    def rebind(self, dsn: str | None, schema: str) -> tuple[str | None, str | None, str]:
+    def rebind(self, dsn: str | None,
+               schema: str) -> tuple[str | None, str | None, str, str | None]:
         """Point a closed Database at another DSN and schema; returns what to pass to
         `restore` to point it back as it was."""
         if self._pool is not None:
             raise ConfigurationError("rebinding an open queue: close it first")
-        before = (self._dsn_arg, self._dsn, self.schema)
+        before = (self._dsn_arg, self._dsn, self.schema, self._listen_dsn)
         self._dsn_arg, self._dsn, self.schema = dsn, None, schema
+        self._listen_dsn = None  # it listened to the other database
         self.sql = statements(schema)
         return before
 
-    def restore(self, binding: tuple[str | None, str | None, str]) -> None:
+    def restore(self, binding: tuple[str | None, str | None, str, str | None]) -> None:
         if self._pool is not None:
             raise ConfigurationError("restoring an open queue: close it first")
-        self._dsn_arg, self._dsn, self.schema = binding
+        self._dsn_arg, self._dsn, self.schema, self._listen_dsn = binding
         self.sql = statements(self.schema)
 
     @property
@@ -203,17 +245,26 @@ class Database:
         # One direct attempt first: an unreachable server fails in seconds with the driver's
         # reason, instead of a pool timeout that hides it.
         try:
-            # libpq reads connect_timeout=0 as "wait for ever": round a fraction up.
-            probe = await AsyncConnection.connect(
-                dsn, connect_timeout=max(1, math.ceil(self.connect_timeout)),
-                application_name=self.application_name)
-            await probe.close()
+            pooled, database = await self._probe(dsn, self.application_name)
         except psycopg.OperationalError as e:
             raise DatabaseUnavailableError(
                 f"cannot connect to PostgreSQL at {redact(dsn)}: {reason(e)}; check that "
                 "the server is running and the DSN is right (--dsn or $ASYNCJOBQ_DSN)"
             ) from None
+        if self.pooler == "auto":
+            self.pooled = pooled
+            if pooled:
+                log.log(
+                    logging.INFO if self._listen_dsn else logging.WARNING,
+                    "a connection pooler sits between asyncjobq and PostgreSQL at %s: no "
+                    "prepared statements, session settings or LISTEN through it%s (say "
+                    "Queue(pooler='session') if it pools sessions, not transactions)",
+                    redact(dsn), "" if self._listen_dsn else
+                    "; workers poll (give listen_dsn= a direct connection to wake them at once)")
+        if self._listen_dsn:
+            await self._check_listen_dsn(database)
         lo, hi = self.pool_sizes
+        options = self.connect_options()
         pool = _Pool(
             dsn,
             min_size=lo,
@@ -221,10 +272,7 @@ class Database:
             # connect_timeout: an attempt to a host that does not answer (no refusal either)
             # holds one of the pool's few maintenance workers; bound it.
             kwargs={"autocommit": True, "application_name": self.application_name,
-                    "connect_timeout": max(1, math.ceil(self.connect_timeout)),
-                    "keepalives": 1, "keepalives_idle": KEEPALIVES_IDLE,
-                    "keepalives_interval": 2, "keepalives_count": 3,
-                    "tcp_user_timeout": TCP_USER_TIMEOUT},
+                    "connect_timeout": max(1, math.ceil(self.connect_timeout)), **options},
             open=False,
             # No check= here: connection() checks (see there), without the pool's pause.
             name=f"asyncjobq-{self.schema}",
@@ -240,6 +288,40 @@ class Database:
             ) from None
         self._pool = pool
         _quiet_pool_discards()
+
+    async def _probe(self, dsn: str, application_name: str) -> tuple[bool, str]:
+        """One connection to `dsn`, closed at once: server_of() it."""
+        # libpq reads connect_timeout=0 as "wait for ever": round a fraction up.
+        conn = await AsyncConnection.connect(
+            dsn, autocommit=True, prepare_threshold=None, application_name=application_name,
+            connect_timeout=max(1, math.ceil(self.connect_timeout)))
+        try:
+            return await server_of(conn)
+        finally:
+            await conn.close()
+
+    async def _check_listen_dsn(self, database: str) -> None:
+        """listen_dsn must reach the queue's own database, directly: through a pooler LISTEN
+        hears nothing, and elsewhere it hears another database's notifications, while the
+        worker, trusting them, would claim from floors they no longer lower."""
+        assert self._listen_dsn is not None
+        where = redact(self._listen_dsn)
+        try:
+            pooled, listened = await self._probe(self._listen_dsn,
+                                                 f"{self.application_name}-listen")
+        except psycopg.OperationalError as e:
+            raise DatabaseUnavailableError(
+                f"cannot connect to PostgreSQL at listen_dsn {where}: {reason(e)}; check "
+                "that it reaches the queue's PostgreSQL directly (not through the pooler)"
+            ) from None
+        if pooled:
+            raise ConfigurationError(
+                f"listen_dsn {where} goes through a connection pooler, where LISTEN hears "
+                "nothing: point it at PostgreSQL itself (or leave it out: workers then poll)")
+        if listened != database:
+            raise ConfigurationError(
+                f"listen_dsn {where} reaches database {listened!r}, the queue's DSN "
+                f"{database!r}: point both at the same database")
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
@@ -302,6 +384,19 @@ class Database:
                 f"schema {self.schema} is not installed ({reason(e)}): run "
                 "`python -m asyncjobq install` (or `await queue.install()`)"
             ) from None
+
+
+async def server_of(conn: Conn) -> tuple[bool, str]:
+    """Whether a pooler stands between this connection and PostgreSQL, and the database.
+
+    A server sends the client its process id as the connection starts (BackendKeyData, for
+    cancel requests); a pooler cannot hand out a server's, since the client's session is not
+    tied to one server connection, and sends one of its own (PgBouncer, Odyssey, pgcat,
+    Supavisor): the id the client was given then differs from the backend's own."""
+    cur = await conn.execute("SELECT pg_backend_pid(), current_database()")
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0]) != conn.info.backend_pid, str(row[1])
 
 
 async def check_idle_connection(conn: Conn) -> None:

@@ -75,8 +75,10 @@ class OwnConnection:
         q = self._db
         conn = await AsyncConnection.connect(
             q.dsn, autocommit=True, connect_timeout=max(1, int(q.connect_timeout)),
-            application_name=f"{q.application_name}-{self._role}")
-        if not self._generic_plans:
+            application_name=f"{q.application_name}-{self._role}", **q.connect_options())
+        if not self._generic_plans or q.pooled:
+            # Behind a transaction pooler a session setting would stay on whichever server
+            # connection ran it (another client's next): plans are made for each execution.
             return conn
         # Prepared from the first execution, not psycopg's fifth: every claim and flush of the
         # loop runs on the generic plan (direct calls outside the loop use the pool).

@@ -71,6 +71,7 @@ class Heartbeat:
         self._on_cancel = on_cancel
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._last_tick = time.monotonic()
@@ -95,12 +96,23 @@ class Heartbeat:
         self._last_tick = self._last_ok = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"asyncjobq-heartbeat-"
                                         f"{self._worker_id}", daemon=True)
+        # The lease is watched apart from the beats: a beat may wait longer than a lease
+        # where no bound of ours reaches (behind a pooler, a BEGIN queued for a server
+        # connection), and the handlers must be let go at the lease all the same.
+        self._watcher = threading.Thread(target=self._watch_run, name=f"asyncjobq-lease-"
+                                         f"{self._worker_id}", daemon=True)
         self._thread.start()
+        self._watcher.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in (self._thread, self._watcher):
+            if thread is not None:
+                thread.join(timeout=10)
+
+    def _watch_run(self) -> None:
+        while not self._stop.wait(TICK):
+            self._watching(self._watch_lease)
 
     @property
     def alive(self) -> bool:
@@ -132,7 +144,6 @@ class Heartbeat:
                     # Each watcher on its own: a bug in one (a frame _blocker could not name
                     # raised on every pass) must not skip the other, nor the beat below.
                     self._watching(self._watch_loop)
-                    self._watching(self._watch_lease)
                     if self.stalled:
                         next_beat = time.monotonic() + self.interval  # not a busy wait meanwhile
                         continue
@@ -270,13 +281,29 @@ class Heartbeat:
             self._db.dsn, autocommit=True, connect_timeout=max(2, int(bound)),
             application_name=f"{self._db.application_name}-heartbeat",
             keepalives=1, keepalives_idle=max(1, int(bound)), keepalives_interval=1,
-            keepalives_count=3, tcp_user_timeout=int(bound * 1000))
+            keepalives_count=3, tcp_user_timeout=int(bound * 1000),
+            **({"prepare_threshold": None} if self._db.pooled else {}))
+        if self._db.pooled:
+            return conn  # no session setting behind a pooler: each beat sets its own (_send)
         try:
             conn.execute(self._db.sql.session_statement_timeout, (f"{int(bound * 1000)}ms",))
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def _send(self, conn: psycopg.Connection[tuple[object, ...]],
+              params: dict[str, object]) -> list[tuple[object, ...]]:
+        if not self._db.pooled:
+            return conn.execute(self._db.sql.job_heartbeat_many, params).fetchall()
+        # Behind a transaction pooler the bound is the transaction's own (SET LOCAL): three
+        # more round trips a beat (BEGIN, the setting, COMMIT), every interval. A BEGIN
+        # queued in the pooler for a server connection is bounded by the pooler only
+        # (query_wait_timeout); the lease is watched apart (_watch_run) meanwhile.
+        bound = max(1.0, self.interval)
+        with conn.transaction():
+            conn.execute(self._db.sql.local_statement_timeout, (f"{int(bound * 1000)}ms",))
+            return conn.execute(self._db.sql.job_heartbeat_many, params).fetchall()
 
     def _beat(
         self, conn: psycopg.Connection[tuple[object, ...]] | None
@@ -289,10 +316,9 @@ class Heartbeat:
         try:
             if conn is None or conn.closed:
                 conn = self._connect()
-            cur = conn.execute(self._db.sql.job_heartbeat_many, {
+            rows = self._send(conn, {
                 "ids": [i for i, _ in leased], "attempts": [a for _, a in leased],
                 "worker": self._worker_id})
-            rows = cur.fetchall()
             kept = {(int(r[0]), int(r[1])) for r in rows}  # type: ignore[call-overload]
             cancel = {(int(r[0]), int(r[1])) for r in rows if r[2]}  # type: ignore[call-overload]
         except psycopg.Error as e:

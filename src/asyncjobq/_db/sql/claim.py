@@ -587,6 +587,11 @@ class WorkerStatements(Role):
         return sql.SQL("SELECT set_config('statement_timeout', %s, false)")
 
     @cached_property
+    def local_statement_timeout(self) -> sql.SQL:
+        # The same for one transaction: what a connection through a transaction pooler uses.
+        return sql.SQL("SELECT set_config('statement_timeout', %s, true)")
+
+    @cached_property
     def job_release_lost_claims(self) -> Statement:
         # Rows this worker claimed but never received (the claim committed, its reply was lost
         # with the connection): back to queued with the attempt uncounted, since no handler

@@ -18,9 +18,10 @@ class TestingStatements(Role):
         return sql.SQL("SHOW search_path")
 
     @cached_property
-    def session_lock_timeout_5s(self) -> sql.SQL:
-        # Set before schema_drop, which must not wait forever on a leftover worker's locks.
-        return sql.SQL("SET lock_timeout = '5s'")
+    def local_lock_timeout_5s(self) -> sql.SQL:
+        # Set before schema_drop, in its transaction (a pooler would keep a session's SET for
+        # its next client), which must not wait forever on a leftover worker's locks.
+        return sql.SQL("SET LOCAL lock_timeout = '5s'")
 
     @cached_property
     def schema_drop(self) -> Statement:
