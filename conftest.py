@@ -79,6 +79,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # A few worker processes hold tens of connections: one such test at a time on a
             # shared server, or max_connections (100 by default) runs out.
             groups[item.nodeid] = "processes"
+        elif item.get_closest_marker("drill") is not None:
+            # The deployment drills (tests/test_deploy.py) each run servers, a pooler and
+            # workers of their own at full speed: one at a time, beside the rest.
+            groups[item.nodeid] = "drills"
     folder, worker = os.environ.get(GROUPS_ENV), os.environ.get("PYTEST_XDIST_WORKER")
     if folder and worker:
         path = Path(folder) / worker

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -146,13 +146,15 @@ def _read_into(stream: Any, sink: list[str]) -> None:
 
 
 def spawn_worker(dsn: str, schema: str, *args: str, app: str = "apps.testapp:queue",
-                 env: dict[str, str] | None = None) -> WorkerProcess:
-    """A worker process started the way users start one: `python -m asyncjobq worker APP`."""
+                 env: dict[str, str] | None = None,
+                 prefix: Sequence[str] = ()) -> WorkerProcess:
+    """A worker process started the way users start one: `python -m asyncjobq worker APP`
+    (after `prefix`, e.g. what runs it in a network namespace)."""
     full_env = {**os.environ, "ASYNCJOBQ_DSN": dsn, "ASYNCJOBQ_TEST_SCHEMA": schema,
                 "PYTHONPATH": str(TESTS), **(env or {})}
     return WorkerProcess(
-        [sys.executable, "-m", "asyncjobq", "worker", app, "--log-level", "warning", *args],
-        cwd=TESTS, env=full_env)
+        [*prefix, sys.executable, "-m", "asyncjobq", "worker", app, "--log-level", "warning",
+         *args], cwd=TESTS, env=full_env)
 
 
 def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None,

@@ -106,7 +106,7 @@ def systemd_seconds(value: str) -> float:
 
 
 def test_the_systemd_unit() -> None:
-    (unit,) = blocks("ini")
+    (unit,) = [b for b in blocks("ini") if "[Unit]" in b]
     settings: dict[str, list[str]] = {}
     for line in unit.splitlines():
         if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
