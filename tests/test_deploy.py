@@ -8,6 +8,7 @@ as JSON (docs/guides/deploying.md quotes them).
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import signal
 import statistics
@@ -176,10 +177,12 @@ async def produce(q: Queue) -> tuple[list[int], set[int]]:
 
 
 async def pickup(q: Queue, events: Events, n: int) -> list[float]:
-    """Seconds from an enqueue's return to its handler's start, one job at a time."""
+    """Seconds from an enqueue's return to its handler's start, one job at a time, each at a
+    random moment (a worker that polls claims a poll interval after its last claim)."""
     out = []
+    rng = random.Random(7)
     for _ in range(n):
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(rng.uniform(0.05, 1.0))
         job_id = await q.enqueue("work", {"seconds": 0})
         sent = time.time()
 
