@@ -11,6 +11,7 @@ import psycopg
 import psycopg.errors
 import pytest
 from conftest import fetchval, running
+from psycopg.conninfo import make_conninfo
 
 from asyncjobq import ConfigurationError, Job, Queue, Worker
 from asyncjobq.errors import reason
@@ -76,3 +77,20 @@ async def test_pooler_mode_runs_and_waits_without_listen_or_session_state(
     assert not any(n.endswith(("-listen", "-wait")) for n in names), names
     assert "polling every 0.2 s" in caplog.text
     assert "leaves the vacuum" in caplog.text
+
+
+async def test_listen_dsn_must_reach_the_same_database(pg_dsn: str, schema: str) -> None:
+    other = make_conninfo(pg_dsn, dbname="template1")
+    q = Queue(pg_dsn, schema=schema, listen_dsn=other)
+    with pytest.raises(ConfigurationError, match="reaches database 'template1'"):
+        await q.open()
+    assert not q.database.is_open
+    q = Queue(pg_dsn, schema=schema, listen_dsn=pg_dsn)
+    async with q:
+        assert q.database.listen_dsn == pg_dsn
+    # Given for one database, forgotten when the queue is pointed at another.
+    with q.bound_to(other, "elsewhere"):
+        assert q.database.listen_dsn == q.dsn == other
+    assert q.database.listen_dsn == pg_dsn
+    q.set_dsn(other)
+    assert q.database.listen_dsn == other
