@@ -153,8 +153,8 @@ def pgbouncer(target: Cluster, *, pool_size: int = 8) -> Iterator[str]:
     binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
     if not Path(binary).exists():
         unavailable("pgbouncer is not installed (Debian: apt-get install pgbouncer)")
-    if not ROOT and os.geteuid() != 0 and shutil.which("runuser") is None:
-        unavailable("cannot run pgbouncer")
+    if ROOT and shutil.which("runuser") is None:
+        unavailable("runuser (util-linux) is needed to run pgbouncer as postgres")
     work = _workdir("asyncjobq-pgbouncer-")
     port = free_port()
     (work / "users.txt").write_text('"postgres" ""\n')
@@ -304,7 +304,7 @@ class Events:
         for line in complete.decode().splitlines():
             event, task, job, attempt, pid, at = line.split()
             self._events.append((event, task, int(job), int(attempt), int(pid), float(at)))
-        return list(self._events)
+        return self._events  # not to be changed by callers
 
     def of(self, event: str,
            task: str | None = None) -> list[tuple[str, str, int, int, int, float]]:

@@ -287,10 +287,12 @@ async def test_a_hanging_heartbeat_is_bounded_and_cut_off_handlers_are_cancelled
 async def test_the_heartbeat_thread_survives_any_exception(queue: Queue) -> None:
     @queue.task(name="slow")
     async def slow(job: Job) -> None:
-        await asyncio.sleep(2.5)
+        await asyncio.sleep(4)
 
     job_id = await slow.enqueue({})
-    w = Worker(queue, lease=0.9, poll_interval=0.1)
+    # The beat after the error connects again: a lease of 2 s leaves it room on a loaded
+    # machine (the lease is watched while it connects).
+    w = Worker(queue, lease=2, poll_interval=0.1)
     async with running(w):
         await wait_for(lambda: _is(queue, job_id, "running"), timeout=10)
         assert w.heartbeat is not None

@@ -208,8 +208,12 @@ class Database:
             raise ConfigurationError("set_dsn() on an open queue: close it first")
         self._dsn_arg = dsn
         self._dsn = None
-        # A listen_dsn given for the old DSN would LISTEN to the old database.
-        self._listen_dsn = None
+        if self._listen_dsn:
+            # Given for the old DSN, it would LISTEN to the old database.
+            log.warning("listen_dsn %s is not used with the DSN %s given now: give a "
+                        "listen_dsn for it too (the worker's --listen-dsn), or workers behind "
+                        "a pooler poll", redact(self._listen_dsn), dsn and redact(dsn))
+            self._listen_dsn = None
 
     def rebind(self, dsn: str | None,
                schema: str) -> tuple[str | None, str | None, str, str | None]:
@@ -321,7 +325,8 @@ class Database:
         if listened != database:
             raise ConfigurationError(
                 f"listen_dsn {where} reaches database {listened!r}, the queue's DSN "
-                f"{database!r}: point both at the same database")
+                f"{database!r}: point both at the same database (on the primary: give a "
+                "multi-host listen_dsn target_session_attrs=read-write)")
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
@@ -393,10 +398,11 @@ async def server_of(conn: Conn) -> tuple[bool, str]:
     cancel requests); a pooler cannot hand out a server's, since the client's session is not
     tied to one server connection, and sends one of its own (PgBouncer, Odyssey, pgcat,
     Supavisor): the id the client was given then differs from the backend's own."""
-    cur = await conn.execute("SELECT pg_backend_pid(), current_database()")
+    cur = await conn.execute("SELECT pg_backend_pid(), current_database(), pg_is_in_recovery()")
     row = await cur.fetchone()
     assert row is not None
-    return int(row[0]) != conn.info.backend_pid, str(row[1])
+    # A standby's database is named as its primary's; it cannot LISTEN.
+    return int(row[0]) != conn.info.backend_pid, str(row[1]) + (" (a standby)" if row[2] else "")
 
 
 async def check_idle_connection(conn: Conn) -> None:

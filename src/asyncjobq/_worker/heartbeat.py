@@ -101,8 +101,12 @@ class Heartbeat:
         # connection), and the handlers must be let go at the lease all the same.
         self._watcher = threading.Thread(target=self._watch_run, name=f"asyncjobq-lease-"
                                          f"{self._worker_id}", daemon=True)
-        self._thread.start()
         self._watcher.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         self._stop.set()
@@ -116,7 +120,7 @@ class Heartbeat:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return all(t is not None and t.is_alive() for t in (self._thread, self._watcher))
 
     async def tick(self) -> None:
         """Runs on the loop: proves to the heartbeat thread that the loop is not blocked."""
@@ -141,8 +145,8 @@ class Heartbeat:
                 # heartbeats would have every long job reaped and run twice.
                 try:
                     was_stalled = self.stalled
-                    # Each watcher on its own: a bug in one (a frame _blocker could not name
-                    # raised on every pass) must not skip the other, nor the beat below.
+                    # A bug in the watcher (a frame _blocker could not name raised on every
+                    # pass) must not skip the beat below; the lease has its own thread.
                     self._watching(self._watch_loop)
                     if self.stalled:
                         next_beat = time.monotonic() + self.interval  # not a busy wait meanwhile
