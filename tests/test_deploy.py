@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import WorkerProcess, spawn_worker, wait_for
+from conftest import WorkerProcess, run_cli, spawn_worker, wait_for
 from deploy import Cluster, Events, Namespace, clusters, pgbouncer, report
 from test_limits import peak_overlap
 
@@ -107,6 +107,11 @@ async def test_pgbouncer_transaction_mode(tmp_path: Path, listen: str) -> None:
                                    what="20,000 jobs through PgBouncer")
                     drained = time.time() - started
                     latencies = await pickup(q, events, 20)
+                    # Waiting through the pooler: LISTEN on listen_dsn, or reads every 0.5 s.
+                    waited = await q.enqueue("work", {"seconds": 0.1})
+                    assert (await q.wait(waited, timeout=30)).status == "done"
+                    # doctor through the pooler: its look at the claim in one transaction.
+                    doctor = run_cli("doctor", "--schema", SCHEMA, dsn=bouncer)
                     # No session lock is held by a server connection between transactions
                     # (the leader's vacuum, which takes one, is off behind a pooler).
                     with psycopg.connect(primary.dsn(), autocommit=True) as conn:
@@ -122,6 +127,9 @@ async def test_pgbouncer_transaction_mode(tmp_path: Path, listen: str) -> None:
                         "SELECT run_at, count(*) FROM deploy.jobs_history WHERE task = 'tick'"
                         " GROUP BY run_at ORDER BY run_at")).fetchall()
 
+    assert doctor.returncode in (0, 1) and "claim plan" in doctor.stdout, (
+        doctor.stdout[-3000:], doctor.stderr[-3000:])
+    assert "Traceback" not in doctor.stderr
     for err in errs:
         assert "Traceback" not in err, err[-3000:]
         assert "_pg3_" not in err, err[-3000:]  # no statement psycopg prepared
