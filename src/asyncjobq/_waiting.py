@@ -57,7 +57,7 @@ class Waiter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.loop = asyncio.get_running_loop()
-        self.connects = 0
+        self.connects = 0  # LISTEN connections made (none behind a pooler without listen_dsn)
         self.reads = 0  # statements reading waited jobs (tests count them)
 
     async def wait(self, job_id: int) -> JobInfo:
@@ -94,7 +94,8 @@ class Waiter:
     # --- the loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        retry = RetryPolicy(log, "waiting for jobs (LISTEN connection)")
+        retry = RetryPolicy(log, "waiting for jobs" + (
+            " (LISTEN connection)" if self._db.listen_dsn else " (reading them)"))
         while self._futures:
             try:
                 with self._db.translate_errors():
@@ -139,7 +140,8 @@ class Waiter:
 
     async def _serve(self, retry: RetryPolicy, conn: AsyncConnection[tuple[object, ...]] | None,
                      recheck: float) -> None:
-        self.connects += 1
+        if conn is not None:
+            self.connects += 1
         # Notifications sent before this LISTEN are lost: read every waited job again.
         await self._read(set(self._futures), mark=set(self._unmarked))
         retry.succeeded()  # only once a read went through: a failing read backs off
