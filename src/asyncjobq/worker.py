@@ -145,7 +145,8 @@ class Worker:
         self.poll_interval = float(poll_interval)
         self.shutdown_timeout = float(shutdown_timeout)
         self.listen = listen
-        self._listens = listen  # and whether it can, once open (a pooler: _run)
+        # Where this run LISTENs: the queue's listen_dsn, None when it polls (_run).
+        self._listen_at: str | None = None
         self.flush_interval = flush_interval
         self.reap_interval = reap_interval if reap_interval is not None else min(5.0, lease / 2)
         check_positive("prune_interval", prune_interval, integer=False)
@@ -282,8 +283,8 @@ class Worker:
         # pooler can keep. Behind one, the table is left to autovacuum.
         self.vacuum = (HotTableVacuum(db, interval=self.vacuum_interval)
                        if self.vacuum_interval is not None and not db.pooled else None)
-        self._listens = self.listen and db.listen_dsn is not None
-        if self.listen and not self._listens:
+        self._listen_at = db.listen_dsn if self.listen else None
+        if self.listen and self._listen_at is None:
             log.warning(
                 "worker %s: the database is reached through a transaction pooler, where "
                 "LISTEN hears nothing: polling every %g s (Queue(listen_dsn=...), a direct "
@@ -342,12 +343,11 @@ class Worker:
             services.start_soon(heartbeat.tick)
             services.start_soon(runner.run)
             services.start_soon(self._progress.run)
-            if self._listens:
+            if self._listen_at is not None:
                 # Floors need notifications: a worker that polls never claims from them.
                 services.start_soon(fetcher.watch_horizon)
-                assert self.queue.database.listen_dsn is not None
                 self.listener = Listener(
-                    self.queue.database.listen_dsn, self.queue.channel, fetcher.notify,
+                    self._listen_at, self.queue.channel, fetcher.notify,
                     fetcher.listening,
                     on_disconnect=fetcher.deaf,
                     application_name=f"{self.queue.application_name}-listen",

@@ -175,14 +175,15 @@ class Database:
             return self._listen_dsn
         return None if self.pooled else self.dsn
 
-    def connect_options(self) -> dict[str, Any]:
+    def connect_options(self, **tcp: int) -> dict[str, Any]:
         """Options of every connection the library opens to `dsn` (beside its DSN): the TCP
-        settings above, so that a server gone silent ends the connection with an error.
+        settings above (or `tcp`'s, for a connection with a bound of its own), so that a
+        server gone silent ends the connection with an error.
 
         Behind a transaction pooler, psycopg must not prepare statements: a statement
         prepared on one server connection is unknown on the next one the pooler hands out
         (PgBouncer before 1.21 has no prepared statements of its own)."""
-        options: dict[str, Any] = dict(TCP_OPTIONS)
+        options: dict[str, Any] = {**TCP_OPTIONS, **tcp}
         if self.pooled:
             options["prepare_threshold"] = None
         return options
@@ -249,7 +250,7 @@ class Database:
         # One direct attempt first: an unreachable server fails in seconds with the driver's
         # reason, instead of a pool timeout that hides it.
         try:
-            pooled, database = await self._probe(dsn, self.application_name)
+            pooled, database, _ = await self._probe(dsn, self.application_name)
         except psycopg.OperationalError as e:
             raise DatabaseUnavailableError(
                 f"cannot connect to PostgreSQL at {redact(dsn)}: {reason(e)}; check that "
@@ -293,7 +294,7 @@ class Database:
         self._pool = pool
         _quiet_pool_discards()
 
-    async def _probe(self, dsn: str, application_name: str) -> tuple[bool, str]:
+    async def _probe(self, dsn: str, application_name: str) -> tuple[bool, str, bool]:
         """One connection to `dsn`, closed at once: server_of() it."""
         # libpq reads connect_timeout=0 as "wait for ever": round a fraction up.
         conn = await AsyncConnection.connect(
@@ -311,8 +312,8 @@ class Database:
         assert self._listen_dsn is not None
         where = redact(self._listen_dsn)
         try:
-            pooled, listened = await self._probe(self._listen_dsn,
-                                                 f"{self.application_name}-listen")
+            pooled, listened, standby = await self._probe(self._listen_dsn,
+                                                          f"{self.application_name}-listen")
         except psycopg.OperationalError as e:
             raise DatabaseUnavailableError(
                 f"cannot connect to PostgreSQL at listen_dsn {where}: {reason(e)}; check "
@@ -322,11 +323,14 @@ class Database:
             raise ConfigurationError(
                 f"listen_dsn {where} goes through a connection pooler, where LISTEN hears "
                 "nothing: point it at PostgreSQL itself (or leave it out: workers then poll)")
+        if standby:
+            raise ConfigurationError(
+                f"listen_dsn {where} reaches a standby, which cannot LISTEN: point it at the "
+                "primary (a multi-host listen_dsn with target_session_attrs=read-write)")
         if listened != database:
             raise ConfigurationError(
                 f"listen_dsn {where} reaches database {listened!r}, the queue's DSN "
-                f"{database!r}: point both at the same database (on the primary: give a "
-                "multi-host listen_dsn target_session_attrs=read-write)")
+                f"{database!r}: point both at the same database")
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
@@ -391,8 +395,9 @@ class Database:
             ) from None
 
 
-async def server_of(conn: Conn) -> tuple[bool, str]:
-    """Whether a pooler stands between this connection and PostgreSQL, and the database.
+async def server_of(conn: Conn) -> tuple[bool, str, bool]:
+    """Whether a pooler stands between this connection and PostgreSQL, the database, and
+    whether the server is a standby.
 
     A server sends the client its process id as the connection starts (BackendKeyData, for
     cancel requests); a pooler cannot hand out a server's, since the client's session is not
@@ -401,8 +406,7 @@ async def server_of(conn: Conn) -> tuple[bool, str]:
     cur = await conn.execute("SELECT pg_backend_pid(), current_database(), pg_is_in_recovery()")
     row = await cur.fetchone()
     assert row is not None
-    # A standby's database is named as its primary's; it cannot LISTEN.
-    return int(row[0]) != conn.info.backend_pid, str(row[1]) + (" (a standby)" if row[2] else "")
+    return int(row[0]) != conn.info.backend_pid, str(row[1]), bool(row[2])
 
 
 async def check_idle_connection(conn: Conn) -> None:

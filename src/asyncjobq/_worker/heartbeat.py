@@ -280,21 +280,29 @@ class Heartbeat:
         # Every beat is bounded in time: a connection the network dropped silently would
         # otherwise block a beat for the kernel's retransmission timeout (~15 min) while the
         # fleet reaps and reruns this worker's long jobs.
-        bound = max(1.0, self.interval)
+        bound = self._bound
         conn = psycopg.connect(
             self._db.dsn, autocommit=True, connect_timeout=max(2, int(bound)),
             application_name=f"{self._db.application_name}-heartbeat",
-            keepalives=1, keepalives_idle=max(1, int(bound)), keepalives_interval=1,
-            keepalives_count=3, tcp_user_timeout=int(bound * 1000),
-            **({"prepare_threshold": None} if self._db.pooled else {}))
+            **self._db.connect_options(keepalives_idle=max(1, int(bound)),
+                                       keepalives_interval=1, tcp_user_timeout=int(bound * 1000)))
         if self._db.pooled:
             return conn  # no session setting behind a pooler: each beat sets its own (_send)
         try:
-            conn.execute(self._db.sql.session_statement_timeout, (f"{int(bound * 1000)}ms",))
+            conn.execute(self._db.sql.session_statement_timeout, (self._statement_timeout,))
         except BaseException:
             conn.close()
             raise
         return conn
+
+    @property
+    def _bound(self) -> float:
+        """The most a beat's connect, send or statement may take, in seconds."""
+        return max(1.0, self.interval)
+
+    @property
+    def _statement_timeout(self) -> str:
+        return f"{int(self._bound * 1000)}ms"
 
     def _send(self, conn: psycopg.Connection[tuple[object, ...]],
               params: dict[str, object]) -> list[tuple[object, ...]]:
@@ -304,9 +312,8 @@ class Heartbeat:
         # more round trips a beat (BEGIN, the setting, COMMIT), every interval. A BEGIN
         # queued in the pooler for a server connection is bounded by the pooler only
         # (query_wait_timeout); the lease is watched apart (_watch_run) meanwhile.
-        bound = max(1.0, self.interval)
         with conn.transaction():
-            conn.execute(self._db.sql.local_statement_timeout, (f"{int(bound * 1000)}ms",))
+            conn.execute(self._db.sql.local_statement_timeout, (self._statement_timeout,))
             return conn.execute(self._db.sql.job_heartbeat_many, params).fetchall()
 
     def _beat(
