@@ -19,6 +19,14 @@ per statement, finished rows moved to a history table), without its workers:
 - `hybrid`: as `rotated`, the completion addressed as in `direct`.
 - `union`: the claim one statement over every generation's partition by name, the queue's
   priorities kept across them (union_claim_sql); the completion as in `direct`.
+- `current`: two partitions, one of them current (a row of `cur`): inserts go to it, claims
+  name it, a completion names the partition its rows were claimed from. When the current
+  partition outgrows `--rotate-mb`, the rotator (under `lock_timeout`) locks the other one,
+  gives up while it holds a running job, moves its live rows out, TRUNCATEs it, makes it the
+  current one and moves the old current's queued rows into it, in one transaction; queued
+  rows that reach the old one later (an insert that began before the switch) are moved every
+  half second. Every queued row is in one partition, so a claim reads one and keeps the
+  queue's order.
 
 Pressure as `benchmarks/pinned.py`'s `idle`: a transaction that wrote a row to a table of its
 own sits idle for `--pin` seconds. Figures per phase: finished jobs/s against offered, backlog,
@@ -61,6 +69,8 @@ CREATE TABLE public.rotation_study_pin (x int);
 
 
 def setup_sql(layout: str, period: float) -> str:
+    if layout == "current":
+        return current_setup_sql()
     head = f"DROP SCHEMA IF EXISTS {S} CASCADE; DROP TABLE IF EXISTS public.rotation_study_pin;"
     head += f"CREATE SCHEMA {S};"
     if layout == "plain":
@@ -78,6 +88,33 @@ CREATE TABLE {S}.jobs (id bigint NOT NULL DEFAULT nextval('{S}.jobs_id_seq'),
   gen smallint NOT NULL DEFAULT {S}.gen_now(), {COLUMNS}) PARTITION BY LIST (gen);
 {parts}
 CREATE INDEX jobs_id_idx ON {S}.jobs (id);""" + INDEXES
+
+
+def current_setup_sql() -> str:
+    parts = "".join(f"""
+CREATE TABLE {S}.jobs_{g} PARTITION OF {S}.jobs FOR VALUES IN ({g}) WITH ({TABLE_OPTS});"""
+                    for g in range(2))
+    return f"""DROP SCHEMA IF EXISTS {S} CASCADE; DROP TABLE IF EXISTS public.rotation_study_pin;
+CREATE SCHEMA {S};
+CREATE SEQUENCE {S}.jobs_id_seq;
+CREATE TABLE {S}.cur (gen smallint NOT NULL);
+INSERT INTO {S}.cur VALUES (0);
+CREATE FUNCTION {S}.cur_gen() RETURNS smallint LANGUAGE sql STABLE
+  AS $$ SELECT gen FROM {S}.cur $$;
+CREATE TABLE {S}.jobs (id bigint NOT NULL DEFAULT nextval('{S}.jobs_id_seq'),
+  gen smallint NOT NULL DEFAULT {S}.cur_gen(), {COLUMNS}) PARTITION BY LIST (gen);
+{parts}
+CREATE INDEX jobs_id_idx ON {S}.jobs (id);""" + INDEXES
+
+
+MOVE = """
+WITH m AS (DELETE FROM {S}.jobs_{src} WHERE id IN (
+             SELECT id FROM {S}.jobs_{src} WHERE {which} FOR UPDATE SKIP LOCKED)
+           RETURNING *)
+INSERT INTO {S}.jobs_{dst} (id, gen, queue, task, payload, status, priority, run_at,
+                            attempts, locked_at, created_at)
+SELECT id, {dst}, queue, task, payload, status, priority, run_at, attempts, locked_at,
+       created_at FROM m"""
 
 
 def claim_sql(layout: str, gen: int | None = None) -> str:
@@ -152,6 +189,7 @@ class Study:
         self.refused = 0
         self.busy = 0
         self.samples: list[dict[str, Any]] = []
+        self.cur = 0   # `current`: the partition claims name
 
     async def produce(self) -> None:
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
@@ -221,8 +259,60 @@ class Study:
                     continue
                 await self.complete_by_gen(c, rows)
 
+    async def current_claimer(self, until_empty: bool = False) -> None:
+        claims = {g: claim_sql("direct", g) for g in range(2)}
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                rows = await (await c.execute(claims[self.cur], (self.a.batch,))).fetchall()
+                self.claims.append((time.time(), time.monotonic() - t0))
+                if not rows:
+                    if until_empty:
+                        return
+                    await asyncio.sleep(0.01)
+                    continue
+                await self.complete_by_gen(c, rows)
+
+    async def current_rotator(self) -> None:
+        size = f"SELECT pg_total_relation_size('{S}.jobs_' || %s::text)"
+        async with await psycopg.AsyncConnection.connect(self.dsn) as c:
+            while not self.stop.is_set():
+                await asyncio.sleep(0.5)
+                cur, old = self.cur, 1 - self.cur
+                await c.execute(MOVE.format(S=S, src=old, dst=cur, which="status = 'queued'"))
+                grown = (await (await c.execute(size, (cur,))).fetchone() or (0,))[0]
+                await c.commit()
+                if grown < self.a.rotate_mb * 1e6:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    await c.execute("SET LOCAL lock_timeout = '50ms'")
+                    await c.execute(f"LOCK TABLE {S}.jobs_{old} IN ACCESS EXCLUSIVE MODE")
+                except psycopg.errors.LockNotAvailable:
+                    await c.rollback()
+                    self.refused += 1
+                    continue
+                running = (await (await c.execute(
+                    f"SELECT count(*) FROM {S}.jobs_{old} WHERE status = 'running'"
+                )).fetchone() or (0,))[0]
+                if running:
+                    await c.rollback()
+                    self.busy += 1
+                    continue
+                moved = (await c.execute(MOVE.format(S=S, src=old, dst=cur, which="true"))
+                         ).rowcount
+                await c.execute(f"TRUNCATE {S}.jobs_{old}")
+                await c.execute(f"UPDATE {S}.cur SET gen = {old}")
+                moved += (await c.execute(MOVE.format(S=S, src=cur, dst=old,
+                                                      which="status = 'queued'"))).rowcount
+                await c.commit()
+                self.cur = old
+                self.rotations.append((time.time(), time.monotonic() - t0, moved))
+
     async def claimer(self, until_empty: bool = False) -> None:
         layout = self.a.layout
+        if layout == "current":
+            return await self.current_claimer(until_empty)
         if layout == "direct":
             return await self.direct_claimer(until_empty)
         if layout == "union":
@@ -304,7 +394,9 @@ SELECT id, {S}.gen_now(), queue, task, payload, status, priority, run_at, attemp
             await c.execute(setup_sql(a.layout, a.period))
             tasks = [asyncio.create_task(self.produce())]
             tasks += [asyncio.create_task(self.claimer()) for _ in range(a.claimers)]
-            if a.layout != "plain":
+            if a.layout == "current":
+                tasks.append(asyncio.create_task(self.current_rotator()))
+            elif a.layout != "plain":
                 tasks.append(asyncio.create_task(self.rotator()))
             pin: asyncio.Task[None] | None = None
             t0 = time.monotonic()
@@ -372,7 +464,7 @@ SELECT id, {S}.gen_now(), queue, task, payload, status, priority, run_at, attemp
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", required=True,
-                   choices=["plain", "rotated", "direct", "hybrid", "union"])
+                   choices=["plain", "rotated", "direct", "hybrid", "union", "current"])
     p.add_argument("--rate", type=int, default=2000)
     p.add_argument("--claimers", type=int, default=4)
     p.add_argument("--batch", type=int, default=10)
@@ -380,6 +472,8 @@ def main() -> None:
     p.add_argument("--warm", type=float, default=20)
     p.add_argument("--pin", type=float, default=60)
     p.add_argument("--after", type=float, default=10)
+    p.add_argument("--rotate-mb", type=float, default=8.0,
+                   help="`current`: rotate when the current partition outgrows this")
     p.add_argument("--window", type=float, default=2)
     p.add_argument("--drain", type=int, default=0, help="no pin: drain this many jobs")
     p.add_argument("--label", default="")
