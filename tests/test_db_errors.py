@@ -111,13 +111,15 @@ async def test_privilege_revoked_then_granted(queue: Queue, pg_dsn: str,
             worker = Worker(wq, concurrency=10, poll_interval=0.2, lease=30)
             async with running(worker) as w:
                 await wait_for(lambda: len(executions) >= 30, what="work under way")
-                await execute(queue, f"REVOKE UPDATE, DELETE ON {{s}}.jobs FROM {role}")
+                await execute(queue, f"REVOKE UPDATE, DELETE ON {{s}}.jobs, {{s}}.jobs_0,"
+                                     f" {{s}}.jobs_1 FROM {role}")
                 await wait_for(lambda: all(
                     warnings_from(caplog, p, "permission denied") for p in PARTS),
                     timeout=15, what="claims and flushes refused")
                 await wait_for(lambda: failures(caplog, "permission denied") >= 6, timeout=15,
                                what="retries")
-                await execute(queue, f"GRANT UPDATE, DELETE ON {{s}}.jobs TO {role}")
+                await execute(queue, f"GRANT UPDATE, DELETE ON {{s}}.jobs, {{s}}.jobs_0,"
+                                     f" {{s}}.jobs_1 TO {role}")
                 await wait_for(lambda: history_done(queue, n), timeout=60, what="every job done")
                 assert w.completed == n
             for part in PARTS:

@@ -108,7 +108,7 @@ def _pin(dsn: str) -> psycopg.Connection[Any]:
 def _blocks(plan: Any) -> int:
     node = plan[0]["Plan"] if isinstance(plan, list) else plan
     total = 0
-    if node.get("Index Name", "").endswith("jobs_dequeue_idx"):
+    if node.get("Index Name", "").endswith("dequeue_idx"):
         total += node.get("Shared Hit Blocks", 0) + node.get("Shared Read Blocks", 0)
     for child in node.get("Plans", []):
         total += _blocks(child)
@@ -150,7 +150,8 @@ async def test_a_pinned_horizon_does_not_slow_a_claim_from_floors(queue: Queue,
                            what="the floor past the last job")
             _, lanes = fetcher.floors.begin()
         params = {"queue": "default", "worker": "probe", "limit": 10, **lanes}
-        st = queue.sql
+        # As the worker claims: from the current generation's partition.
+        st = queue.database.sql_of(fetcher.gen)
         from_floors = await _claim_blocks(queue, st.job_claim_one_queue_from_floors, params)
         from_start = await _claim_blocks(queue, st.job_claim_one_queue, params)
     finally:

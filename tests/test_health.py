@@ -201,13 +201,16 @@ async def test_doctor_on_a_healthy_queue(queue: Queue) -> None:
     assert len(problems(report, "autovacuum")) == expected
     [claim] = report.claims
     # The article's property: the claim reads the partial index, a handful of blocks.
-    assert claim["index"] == "jobs_dequeue_idx" and claim["scan"] == "Index Scan", claim
+    assert claim["index"] == "jobs_0_dequeue_idx" and claim["scan"] == "Index Scan", claim
     assert claim["blocks"] < 10, claim
     assert claim["rows"] == 1
     # The claim ran for real and was rolled back: nothing was claimed.
     assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'queued'") == 3000
-    assert {t["table"] for t in report.tables} == {"jobs", "jobs_history"}
-    assert {i["index"] for i in report.indexes} >= {"jobs_dequeue_idx", "jobs_running_idx"}
+    assert {t["table"] for t in report.tables} == {"jobs_0", "jobs_1", "jobs_history"}
+    assert {i["index"] for i in report.indexes} >= {"jobs_dequeue_idx", "jobs_running_idx",
+                                                     "jobs_0_dequeue_idx", "jobs_1_dequeue_idx"}
+    [generations] = [f.message for f in report.findings if f.check == "generations"]
+    assert generations.startswith(f"{queue.schema}.jobs_0 is current"), generations
 
 
 async def test_doctor_explains_the_generic_plan_workers_run(queue: Queue) -> None:
@@ -221,9 +224,9 @@ async def test_doctor_explains_the_generic_plan_workers_run(queue: Queue) -> Non
         for _ in range(6):
             await conn.execute("SELECT %s::int", (1,))
         for _ in range(2):  # the prepared claim is gone after each look
-            claim = await explain_claim(conn, queue.sql, "default", limit=5)
+            claim = await explain_claim(conn, queue.database.sql_of(0), "default", limit=5)
             assert claim["generic"], claim
-            assert claim["index"] == "jobs_dequeue_idx" and claim["rows"] == 5, claim
+            assert claim["index"] == "jobs_0_dequeue_idx" and claim["rows"] == 5, claim
         cur = await conn.execute(
             "SELECT name FROM pg_prepared_statements WHERE name NOT LIKE %s", ("_pg3%",))
         assert await cur.fetchall() == []
@@ -231,10 +234,14 @@ async def test_doctor_explains_the_generic_plan_workers_run(queue: Queue) -> Non
 
 
 async def test_doctor_finds_a_missing_index(queue: Queue) -> None:
-    await execute(queue, "DROP INDEX {s}.jobs_dequeue_idx")
+    await execute(queue, "DROP INDEX {s}.jobs_dequeue_idx")  # and its partitions' with it
     [found] = problems(await diagnose(queue), "indexes")
     assert "jobs_dequeue_idx" in found and "missing" in found
-    assert (f'CREATE INDEX CONCURRENTLY "jobs_dequeue_idx" ON "{queue.schema}"."jobs"'
+    for g in (0, 1):
+        assert (f'CREATE INDEX CONCURRENTLY "jobs_{g}_dequeue_idx" ON "{queue.schema}".'
+                f'"jobs_{g}" (queue, priority DESC, run_at, id) WHERE status = \'queued\'') \
+            in found
+    assert (f'CREATE INDEX "jobs_dequeue_idx" ON "{queue.schema}"."jobs"'
             " (queue, priority DESC, run_at, id) WHERE status = 'queued'") in found
 
 
@@ -245,11 +252,11 @@ async def test_doctor_gives_the_statement_that_restores_the_queue_autovacuum_set
                 and "lacks the queue autovacuum settings" in f.message]
 
     assert lacking(await diagnose(queue)) == []
-    await execute(queue, "ALTER TABLE {s}.jobs RESET (autovacuum_vacuum_scale_factor,"
+    await execute(queue, "ALTER TABLE {s}.jobs_1 RESET (autovacuum_vacuum_scale_factor,"
                          " autovacuum_vacuum_threshold)")
     [advice] = lacking(await diagnose(queue))
     statement = advice.split(" (the settings of")[0]
-    assert statement.startswith(f'ALTER TABLE "{queue.schema}".jobs SET ('), advice
+    assert statement.startswith(f'ALTER TABLE "{queue.schema}".jobs_1 SET ('), advice
     async with queue.connection() as conn:
         await conn.execute(statement)  # the advice, run as given, cures it
     assert lacking(await diagnose(queue)) == []
@@ -278,7 +285,7 @@ async def test_doctor_finds_a_transaction_pinning_the_xmin_horizon(queue: Queue,
 async def test_doctor_finds_a_bloated_table_and_vacuum_cures_it(queue: Queue) -> None:
     # The article's experiment: without vacuum, rows that are gone keep their claim-index
     # entries and the claim wades through them.
-    await execute(queue, "ALTER TABLE {s}.jobs SET (autovacuum_enabled = false)")
+    await execute(queue, "ALTER TABLE {s}.jobs_0 SET (autovacuum_enabled = false)")
     await queue.enqueue_many("t", [{"i": i} for i in range(20_000)])
     await execute(queue, "DELETE FROM {s}.jobs")
     await queue.enqueue("t", {"last": True})
@@ -289,14 +296,14 @@ async def test_doctor_finds_a_bloated_table_and_vacuum_cures_it(queue: Queue) ->
     await wait_for(bloated, what="statistics to show the dead rows")
     report = await diagnose(queue)
     [found] = problems(report, "bloat")
-    dead = int(re.search(r"\.jobs has (\d+) dead rows", found).group(1))  # type: ignore[union-attr]
+    dead = int(re.search(r"\.jobs_0 has (\d+) dead rows", found).group(1))  # type: ignore[union-attr]
     assert dead >= 20_000 and "VACUUM (ANALYZE)" in found, found
     assert any("autovacuum is disabled on" in p for p in problems(report, "autovacuum"))
     [claim] = report.claims
     assert claim["blocks"] > CLAIM_BLOCKS_PROBLEM, claim
     assert problems(report, "claim plan")
 
-    await execute(queue, "ALTER TABLE {s}.jobs RESET (autovacuum_enabled)")
+    await execute(queue, "ALTER TABLE {s}.jobs_0 RESET (autovacuum_enabled)")
     await execute(queue, "VACUUM (ANALYZE) {s}.jobs")
 
     async def cured() -> bool:
@@ -325,7 +332,7 @@ async def test_doctor_cli(queue: Queue, pg_dsn: str) -> None:
     assert {f["check"] for f in report["findings"]} >= {
         "bloat", "indexes", "stale running", "xmin horizon", "notifications", "claim plan"}
     r = await cli("doctor", "--schema", queue.schema, dsn=pg_dsn)
-    assert "claim plan: claim on queue 'default': Index Scan on jobs_dequeue_idx" in r.stdout
+    assert "claim plan: claim on queue 'default': Index Scan on jobs_0_dequeue_idx" in r.stdout
     await execute(queue, "DROP INDEX {s}.jobs_running_idx")
     r = await cli("doctor", "--json", "--schema", queue.schema, dsn=pg_dsn)
     assert r.returncode == 1 and json.loads(r.stdout)["healthy"] is False
@@ -339,19 +346,19 @@ async def test_doctor_cli(queue: Queue, pg_dsn: str) -> None:
 async def vacuum_count(queue: Queue) -> int:
     return int(await fetchval(
         queue, "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = %s::regclass",
-        f'"{queue.schema}".jobs'))
+        f'"{queue.schema}".jobs_0'))
 
 
 async def test_workers_vacuum_the_hot_table_between_autovacuums(queue: Queue) -> None:
     # Autovacuum comes once a minute at best; the workers do not wait for it.
-    await execute(queue, "ALTER TABLE {s}.jobs SET (autovacuum_enabled = false)")
+    await execute(queue, "ALTER TABLE {s}.jobs_0 SET (autovacuum_enabled = false)")
     await queue.enqueue_many("t", [{"i": i} for i in range(5000)])
     await execute(queue, "DELETE FROM {s}.jobs")
     await queue.enqueue("t", {})
 
     async def claim_blocks() -> int:
         async with queue.connection() as conn:
-            return int((await explain_claim(conn, queue.sql, "default"))["blocks"])
+            return int((await explain_claim(conn, queue.database.sql_of(0), "default"))["blocks"])
 
     assert await claim_blocks() > CLAIM_BLOCKS_PROBLEM // 2  # wading through 5000 dead entries
     before = await vacuum_count(queue)

@@ -468,12 +468,15 @@ async def test_a_worker_sends_only_the_limits_of_its_queues_tasks(queue: Queue) 
         fetcher = w.fetcher
         assert fetcher is not None
         assert fetcher._limits is None
-        folded = fetcher.fold()
+        await wait_for(lambda: fetcher.gen is not None, 10, what="the generation read")
+        # The flush of jobs claimed from the current generation's partition claims from it.
+        folded = fetcher.fold(gen=fetcher.gen)
         assert folded is not None
         fetcher.folded_claimed([], folded)
+        st = queue.database.sql_of(fetcher.gen)
         assert folded.query in (
-            queue.sql.job_set_outcome_if_running_many_then_claim_one_queue,
-            queue.sql.job_set_outcome_if_running_many_then_claim_one_queue_from_floors)
+            st.job_set_outcome_if_running_many_then_claim_one_queue,
+            st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors)
         assert "limits" not in folded.params
         await plain.enqueue({})
         await wait_for(lambda: ran == ["plain"], 10, what="the plain job")

@@ -23,9 +23,12 @@ from asyncjobq.doctor import explain_claim
 
 
 def claimer(queue: Queue, queues: list[str], batch: int) -> Fetcher:
-    """A fetcher for calling claim() directly: `batch` slots, always free."""
-    return Fetcher(queue.database, "w", queues, batch_size=batch, concurrency=batch,
-                   poll_interval=1, free_slots=lambda: batch, dispatch=lambda j: None)
+    """A fetcher for calling claim() directly: `batch` slots, always free. It claims from
+    jobs_0, the current generation of a new schema, as a worker does once it has read it."""
+    f = Fetcher(queue.database, "w", queues, batch_size=batch, concurrency=batch,
+                poll_interval=1, free_slots=lambda: batch, dispatch=lambda j: None)
+    f.gen = 0
+    return f
 
 
 async def status_of(queue: Queue, job_id: int) -> str:
@@ -367,14 +370,14 @@ async def test_claims_run_on_a_generic_plan_that_reads_the_claim_index(
         await queue.enqueue_many("t", [{} for _ in range(5000)])
         assert len(await fetcher.claim(10)) == 10
         plan = await reused_plan(2)
-        assert "jobs_dequeue_idx" in plan and "Seq Scan" not in plan, plan
+        assert "jobs_0_dequeue_idx" in plan and "Seq Scan" not in plan, plan
         # ...and planned again once statistics know the backlog. It must still read the claim
         # index, not scan the table: IN (...) made it a hash join over a Seq Scan, and
         # queue = ANY(...) a sort of every queued row.
         await execute(queue, "ANALYZE {s}.jobs")
         assert len(await fetcher.claim(10)) == 10
         plan = await reused_plan(3)
-        assert "jobs_dequeue_idx" in plan and "Seq Scan" not in plan, plan
+        assert "jobs_0_dequeue_idx" in plan and "Seq Scan" not in plan, plan
     completer = Completer(queue.database, "w", max_batch=10, fetcher=fetcher)
     for held in completer._lanes:
         async with held, held.connection() as conn:
@@ -394,7 +397,7 @@ async def test_claims_do_not_walk_jobs_that_are_not_due_yet(
     due = await queue.enqueue_many("t", [{} for _ in range(5)], priority=0)
     await execute(queue, "ANALYZE {s}.jobs")
     async with queue.connection() as conn:
-        claim = await explain_claim(conn, queue.sql, "default", limit=10)
+        claim = await explain_claim(conn, queue.database.sql_of(0), "default", limit=10)
     # A few index descents, not the 6,000 delayed entries (about 40 leaf pages).
     assert claim["blocks"] < 20, claim
     fetcher = claimer(queue, queues, 10)

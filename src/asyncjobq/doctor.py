@@ -7,6 +7,7 @@ run under EXPLAIN ANALYZE to see its plan and buffers) runs in a transaction alw
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -109,6 +110,12 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
                 "last_autoanalyze": autoanalyze, "autovacuum_count": int(n_autovac),
                 "reloptions": list(options)})
             _check_table(report, qs, table, int(live), int(dead), autovac, list(options), now)
+        cur = await conn.execute(st.doctor_generations)
+        gen_row = await cur.fetchone()
+        if gen_row is not None:
+            _check_generations(report, qs, gen_row)
+        # The claim as workers run it: from the current generation's partition.
+        claim_st = queue.database.sql_of(int(gen_row[0]) if gen_row is not None else None)
 
         expected = migrations.expected_indexes()
 
@@ -140,12 +147,25 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
                 rebuild = fix(st.index_reindex_concurrently(index))
             _check_index(report, qs, index, bool(valid), int(size), live_rows.get(table, 0),
                          rebuild)
-        for index, definition in sorted(expected.items()):
-            if index not in present:
-                report.add("indexes", PROBLEM,
-                           f"index {index} on {qs}.{definition.table} is missing"
-                           + _WITHOUT_INDEX.get(index, ""),
-                           fix(st.index_create_concurrently(definition)))
+        missing = [index for index in sorted(expected) if index not in present]
+        # An index of jobs, partitioned, goes with its partitions' (0013_generations.sql):
+        # one finding for the three, built on each partition without blocking, then attached.
+        with_parent = {_partition_index(index, g) for index in missing
+                       if expected[index].table == "jobs" for g in (0, 1)}
+        for index in missing:
+            definition = expected[index]
+            if index in with_parent:
+                continue
+            if definition.table == "jobs":
+                parts = [expected[p] for g in (0, 1)
+                         if (p := _partition_index(index, g)) in expected and p not in present]
+                advice = fix(*(st.index_create_concurrently(p) for p in parts),
+                             st.index_create_partitioned(definition))
+            else:
+                advice = fix(st.index_create_concurrently(definition))
+            report.add("indexes", PROBLEM,
+                       f"index {index} on {qs}.{definition.table} is missing"
+                       + _WITHOUT_INDEX.get(index, ""), advice)
         if not [f for f in report.findings if f.check == "indexes"]:
             report.add("indexes", OK, f"all {len(expected)} indexes present and valid")
 
@@ -223,10 +243,22 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
         # index: explain the claims of the queues that run.
         running = [q for q in queues if q not in paused]
         for name in (running or ["default"])[:CLAIM_QUEUES_MAX]:
-            report.claims.append(await explain_claim(conn, st, name))
+            report.claims.append(await explain_claim(conn, claim_st, name))
     for claim in report.claims:
-        _check_claim(report, qs, claim, live_rows.get("jobs", 0))
+        _check_claim(report, qs, claim, live_rows.get("jobs_0", 0) + live_rows.get("jobs_1", 0))
     return report
+
+
+def _check_generations(report: Report, qs: str, row: Sequence[Any]) -> None:
+    """Which partition of jobs is current, and what each holds (0013_generations.sql)."""
+    gen, switches, switched_at, now = int(row[0]), int(row[1]), row[2], row[3]
+    sizes = {t["table"]: t["table_bytes"] + t["indexes_bytes"] for t in report.tables}
+    held = ", ".join(f"{t} {_mb(sizes[t])}" for t in ("jobs_0", "jobs_1") if t in sizes)
+    last = f", the last {_ago(switched_at, now)}" if switches else ""
+    report.add("generations", OK,
+               f"{qs}.jobs_{gen} is current: inserts go there, claims read it; {switches} "
+               f"switch(es){last}; {held} (the other one is emptied by TRUNCATE when the "
+               "current one grows while a session holds the xmin horizon)")
 
 
 def _check_table(report: Report, qs: str, table: str, live: int, dead: int,
@@ -235,11 +267,11 @@ def _check_table(report: Report, qs: str, table: str, live: int, dead: int,
         report.add("autovacuum", PROBLEM,
                    f"autovacuum is disabled on {qs}.{table}: dead rows accumulate",
                    f"ALTER TABLE \"{qs}\".{table} RESET (autovacuum_enabled)")
-    if table == "jobs" and not any(o.startswith("autovacuum_vacuum_scale_factor=")
-                                   for o in options):
+    if table in ("jobs_0", "jobs_1") and not any(o.startswith("autovacuum_vacuum_scale_factor=")
+                                               for o in options):
         report.add("autovacuum", WARNING,
-                   f"{qs}.jobs lacks the queue autovacuum settings the migrations set",
-                   f"ALTER TABLE \"{qs}\".jobs SET (autovacuum_vacuum_scale_factor = 0.01, "
+                   f"{qs}.{table} lacks the queue autovacuum settings the migrations set",
+                   f"ALTER TABLE \"{qs}\".{table} SET (autovacuum_vacuum_scale_factor = 0.01, "
                    "autovacuum_vacuum_threshold = 500, autovacuum_vacuum_insert_scale_factor = "
                    "0.01, autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = "
                    "0) (the settings of _db/migrations/0001_init.sql; install does not reapply "
@@ -255,6 +287,11 @@ def _check_table(report: Report, qs: str, table: str, live: int, dead: int,
                    f"{_ago(autovac, now)}")
 
 
+def _partition_index(index: str, gen: int) -> str:
+    """The name of the partition jobs_<gen>'s index of jobs' index `index`."""
+    return f"jobs_{gen}_" + index.removeprefix("jobs_")
+
+
 # What an interrupted REINDEX CONCURRENTLY leaves beside the index it was rebuilding.
 _REINDEX_LEFTOVER = re.compile(r"_cc(new|old)\d*$")
 
@@ -262,7 +299,6 @@ _REINDEX_LEFTOVER = re.compile(r"_cc(new|old)\d*$")
 # What the queue does while an index of the migrations is missing or invalid.
 _WITHOUT_INDEX = {
     "jobs_dequeue_idx": ": every claim scans the whole table",
-    "jobs_dedup_idx": ": every enqueue with a dedup_key fails (ON CONFLICT has no index)",
 }
 
 
@@ -348,10 +384,12 @@ def _summarise_plan(queue_name: str, plan: dict[str, Any]) -> dict[str, Any]:
     nodes = _nodes(plan.get("Plan", {}))
     # The claim reads the index several times (a descent per priority, then each priority's
     # due rows): its cost is all of those reads together.
-    scans = [n for n in nodes if n.get("Index Name") == "jobs_dequeue_idx"]
+    # Workers claim from the current generation's partition (0013_generations.sql): its
+    # claim index is jobs_<gen>_dequeue_idx.
+    scans = [n for n in nodes if _is_claim_index(n.get("Index Name"))]
     if not scans:  # no claim index: whichever node reads jobs other than by primary key
-        scans = [next((n for n in nodes if n.get("Relation Name") == "jobs"
-                       and n.get("Index Name") != "jobs_pkey"
+        scans = [next((n for n in nodes if str(n.get("Relation Name")).startswith("jobs")
+                       and not str(n.get("Index Name")).endswith("_pkey")
                        and n.get("Node Type") != "ModifyTable"), {})]
     # The node that hands out the claimed rows: the last read of the index in the plan.
     scan = scans[-1]
@@ -371,17 +409,22 @@ def _summarise_plan(queue_name: str, plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _is_claim_index(name: object) -> bool:
+    return name in ("jobs_dequeue_idx", "jobs_0_dequeue_idx", "jobs_1_dequeue_idx")
+
+
 def _check_claim(report: Report, qs: str, claim: dict[str, Any], live: int) -> None:
     what = (f"claim on queue {claim['queue']!r}: {claim['scan']}"
             + (f" on {claim['index']}" if claim["index"] else "")
             + f", {claim['blocks']} blocks, {claim['execution_ms']:.2f} ms")
-    if claim["index"] != "jobs_dequeue_idx" and live >= SMALL_TABLE_ROWS:
+    if not _is_claim_index(claim["index"]) and live >= SMALL_TABLE_ROWS:
         report.add("claim plan", PROBLEM, f"{what}: not using the partial index jobs_dequeue_idx",
                    f"ANALYZE \"{qs}\".jobs; check the 'indexes' finding")
     elif claim["blocks"] > CLAIM_BLOCKS_PROBLEM:
         report.add("claim plan", PROBLEM,
                    f"{what}: a clean index needs under 10; the rest are entries of rows that "
                    "are gone", f"VACUUM \"{qs}\".jobs (end any long transaction first); "
-                   f"REINDEX INDEX CONCURRENTLY \"{qs}\".jobs_dequeue_idx if it persists")
+                   f"REINDEX INDEX CONCURRENTLY \"{qs}\".{claim['index'] or 'jobs_dequeue_idx'}"
+                   " if it persists")
     else:
         report.add("claim plan", OK, what)

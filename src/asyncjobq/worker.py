@@ -31,6 +31,7 @@ from ._db.database import cache_long_statements
 from ._maintenance.leader import Elector
 from ._maintenance.pruner import Pruner
 from ._maintenance.reaper import Reaper
+from ._maintenance.rotation import Rotation
 from ._maintenance.sampler import DepthSampler
 from ._maintenance.scheduler import Scheduler
 from ._maintenance.services import Service, ServiceRunner
@@ -298,7 +299,9 @@ class Worker:
         # The leader's row lasts one lease: a killed leader is replaced as its jobs are.
         elector = self.elector = Elector(db, self.id, ttl=self.lease,
                                          on_change=self._leader_changed)
-        maintenance: list[Service] = [elector, self.reaper, self.pruner]
+        # Empties the other generation of jobs by TRUNCATE while the xmin horizon is held.
+        self.rotation = Rotation(db)
+        maintenance: list[Service] = [elector, self.reaper, self.pruner, self.rotation]
         if self.vacuum is not None:
             maintenance.append(self.vacuum)
         if schedules:
@@ -343,6 +346,7 @@ class Worker:
             services.start_soon(heartbeat.tick)
             services.start_soon(runner.run)
             services.start_soon(self._progress.run)
+            services.start_soon(fetcher.watch_generation)
             if self._listen_at is not None:
                 # Floors need notifications: a worker that polls never claims from them.
                 services.start_soon(fetcher.watch_horizon)
@@ -351,7 +355,9 @@ class Worker:
                     fetcher.listening,
                     on_disconnect=fetcher.deaf,
                     application_name=f"{self.queue.application_name}-listen",
-                    also={self.queue.database.cancel_channel: self._control.cancel_notified})
+                    also={self.queue.database.cancel_channel: self._control.cancel_notified,
+                          self.queue.database.generation_channel:
+                              fetcher.generation_notified})
                 services.start_soon(self.listener.run)
             try:
                 await self._fetch_then_shutdown(fetcher, completer)

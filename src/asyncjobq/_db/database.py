@@ -162,6 +162,12 @@ class Database:
         return f"{self.schema}_done"
 
     @property
+    def generation_channel(self) -> str:
+        """The channel on which the leader's rotation names the generation of jobs it made
+        current (0013_generations.sql); workers listen on it."""
+        return f"{self.schema}_gen"
+
+    @property
     def cancel_channel(self) -> str:
         """The channel on which `Queue.cancel` names running jobs whose cancel it asked for;
         workers listen on it."""
@@ -238,6 +244,11 @@ class Database:
     def sql_plain(self) -> Statements:
         """The statements with the worker's plain flush (sql/claim.py, plain_outcomes)."""
         return statements(self.schema, plain_outcomes=True)
+
+    def sql_of(self, gen: int | None, plain_outcomes: bool = False) -> Statements:
+        """The statements whose claims and completions name generation `gen`'s partition
+        (None: jobs, every partition); `plain_outcomes` as sql_plain."""
+        return statements(self.schema, plain_outcomes, gen)
 
     @property
     def is_open(self) -> bool:

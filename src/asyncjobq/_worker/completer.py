@@ -213,22 +213,36 @@ class Completer:
         }
         # Done without a result, or failed: the flush needs no join with its outcomes.
         plain = all(o.result is None and (o.kind == "done" or o.kind == "failed") for o in batch)
-        claim = self._fetcher.fold(plain) if fold and self._fetcher is not None else None
+        # The partition the batch's jobs were claimed from (0013_generations.sql); None when
+        # they come from both, or are unknown: the statement names jobs, every partition.
+        gens = {self._gen_of(o) for o in batch}
+        gen = gens.pop() if len(gens) == 1 else None
+        claim = (self._fetcher.fold(plain, gen) if fold and self._fetcher is not None
+                 else None)
         written = False
         started = time.monotonic() if self._on_flushed is not None else 0.0
         try:
             conn_cm = own.connection() if own is not None else self._db.connection()
             async with conn_cm as conn:
                 if claim is None:
-                    accepted = await self._set_outcomes(conn, params, plain)
+                    accepted = await self._set_outcomes(conn, params, plain, gen)
                 else:
                     accepted = await self._set_outcomes_then_claim(conn, params, claim)
+                if gen is not None and len(accepted) < len(batch):
+                    # A job the leader's rotation moved while it ran is in the other
+                    # partition now: its outcome is looked for in every one.
+                    again = [o for o in batch if o.job_id not in accepted]
+                    accepted |= await self._set_outcomes(
+                        conn, {**params, "outcomes": encode_outcomes(again)}, plain, None)
             written = True
         finally:
             if claim is not None and not written:
                 assert self._fetcher is not None
                 self._fetcher.folded_failed(claim)
             self._done_with(batch, written=written)
+        if self._fetcher is not None:
+            for o in batch:
+                self._fetcher.gen_of.pop((o.job_id, o.attempt), None)
         for o in batch:
             if o.job_id not in accepted:
                 self.refused += 1
@@ -241,9 +255,13 @@ class Completer:
             self._on_flushed(time.monotonic() - started)
         self._on_written([o for o in batch if o.job_id in accepted])
 
+    def _gen_of(self, o: Outcome) -> int | None:
+        f = self._fetcher
+        return f.gen_of.get((o.job_id, o.attempt)) if f is not None else None
+
     async def _set_outcomes(self, conn: AsyncConnection[Any], params: dict[str, object],
-                            plain: bool = False) -> set[int]:
-        st = self._db.sql_plain if plain else self._db.sql
+                            plain: bool = False, gen: int | None = None) -> set[int]:
+        st = self._db.sql_of(gen, plain)
         cur = await conn.execute(st.job_set_outcome_if_running_many, params)
         return {int(r[0]) for r in await cur.fetchall()}
 

@@ -58,6 +58,10 @@ FLOORS_ENV = "ASYNCJOBQ_CLAIM_FLOORS"
 HORIZON_CHECK = 1.0
 HORIZON_ON = 2
 HORIZON_OFF = 5
+# How often a worker reads which generation of jobs is current (0013_generations.sql), besides
+# the notification the switch sends: claims of a worker that missed it read the partition the
+# leader empties of queued rows (_maintenance/rotation.py) until it looks again.
+GENERATION_CHECK = 1.0
 
 
 class Wakeup:
@@ -104,6 +108,7 @@ class FoldedClaim(NamedTuple):
     params: dict[str, object]
     reserved: int  # slots held for it until folded_claimed() or folded_failed()
     token: int | None  # its floors' (floors.py), when it claims from floors
+    gen: int | None  # the partition it claims from (None: jobs, all of them)
 
 
 class Fetcher:
@@ -175,6 +180,12 @@ class Fetcher:
         self.floors = Floors(self._queues, enabled=False)
         self._listening = False
         self.horizon_held = False
+        # The generation of jobs whose partition claims name (0013_generations.sql); None
+        # until read, and for limited claims: they read every partition. gen_of: each
+        # running attempt's (id, attempt), for the completer, which writes outcomes to the
+        # partition their jobs were claimed from.
+        self.gen: int | None = None
+        self.gen_of: dict[tuple[int, int], int | None] = {}
 
     @property
     def single_queue(self) -> bool:
@@ -237,6 +248,37 @@ class Fetcher:
                          else "walk each lane from its start")
                 self._use_floors()
 
+    def generation_notified(self, payload: str) -> None:
+        """The leader made another generation current (its notification's payload)."""
+        try:
+            gen = int(payload)
+        except ValueError:
+            return
+        if gen != self.gen:
+            self._switch(gen)
+
+    def _switch(self, gen: int | None) -> None:
+        if self.gen is not None:
+            log.debug("jobs generation %s is current: claims read jobs_%s", gen, gen)
+        self.gen = gen
+        # Each lane's floor is a position among its rows, wherever they are: still right.
+        self.wakeup.set()
+
+    async def watch_generation(self) -> None:
+        """Read the current generation now and every GENERATION_CHECK seconds: a worker that
+        missed the switch's notification (its LISTEN connection down, or none behind a
+        pooler) learns it here. Best effort: an error keeps the one it knew."""
+        while not self.stopping:
+            try:
+                async with self._db.connection() as conn:
+                    cur = await conn.execute(self._db.sql.generation_current)
+                    row = await cur.fetchone()
+                if row is not None and row[0] != self.gen:
+                    self._switch(int(row[0]))
+            except Exception as e:  # a monitor: the claims themselves report the database
+                log.debug("could not read the current generation of jobs: %s", reason(e))
+            await anyio.sleep(GENERATION_CHECK)
+
     def notify(self, queue: str | None, run_at_epoch: float | None,
                lanes: Sequence[Any] | None = ()) -> None:
         """A notification says `queue` (None: any) has a job due then; `lanes` are the
@@ -274,7 +316,8 @@ class Fetcher:
             params["limits"] = self._limits
         return params
 
-    def _jobs(self, rows: Sequence[Sequence[Any]], token: int | None = None) -> list[Job]:
+    def _jobs(self, rows: Sequence[Sequence[Any]], token: int | None = None,
+              gen: int | None = None) -> list[Job]:
         if token is not None:
             floors = [r[3] for r in rows if r[0] is None and r[1] == WorkerStatements.FLOORS_MARKER]
             if floors:
@@ -287,6 +330,8 @@ class Fetcher:
                 trace_context=r[9], control=self._control, has_parents=r[10] is not None)
             for r in rows if r[0] is not None
         ]
+        for job in jobs:
+            self.gen_of[(job.id, job.attempt)] = gen
         if jobs:
             self._held_retry.reset()
             self._rate_retry.reset()
@@ -309,29 +354,34 @@ class Fetcher:
             delay = self._held_retry.next()
         self.wakeup.at(time.monotonic() + delay)
 
-    def _choose(self, plain: tuple[Statement, Statement], limited: tuple[Statement, Statement],
-                floored: tuple[Statement, Statement], limit: int,
-                ) -> tuple[Statement, dict[str, object], int | None]:
-        """The claim to send, of (one queue, several queues) each: its statement, parameters
-        and floors' token (None unless it claims from floors)."""
+    def _choose(self, pick: Callable[[WorkerStatements], tuple[
+                    tuple[Statement, Statement], tuple[Statement, Statement],
+                    tuple[Statement, Statement]]],
+                limit: int, plain_outcomes: bool = False,
+                ) -> tuple[Statement, dict[str, object], int | None, int | None]:
+        """The claim to send: `pick` gives the (plain, limited, from floors) statements, of
+        (one queue, several queues) each, of a statement set. Its statement, parameters,
+        floors' token (None unless it claims from floors) and the generation it claims
+        from (None: every partition, as limited claims do)."""
         params = self._claim_params(limit)
         which = 0 if self.single_queue else 1
+        gen = self.gen if self._limits is None else None
+        plain, limited, floored = pick(self._db.sql_of(gen, plain_outcomes))
         if self.floors.ready():  # never with limits (listening())
             token, lanes = self.floors.begin()
             params.update(lanes)
-            return floored[which], params, token
-        return (plain if self._limits is None else limited)[which], params, None
+            return floored[which], params, token, gen
+        return (plain if self._limits is None else limited)[which], params, None, gen
 
     async def claim(self, limit: int) -> list[Job]:
-        st = self._db.sql
         async with self._own.connection() as conn:
             unknown = self.floors.unknown()
             if unknown:
                 await self._discover(conn, unknown)
-            query, params, token = self._choose(
+            query, params, token, gen = self._choose(lambda st: (
                 (st.job_claim_one_queue, st.job_claim_many_queues),
                 (st.job_claim_one_queue_limited, st.job_claim_many_queues_limited),
-                (st.job_claim_one_queue_from_floors, st.job_claim_many_queues_from_floors),
+                (st.job_claim_one_queue_from_floors, st.job_claim_many_queues_from_floors)),
                 limit)
             try:
                 cur = await conn.execute(query, params)
@@ -340,12 +390,13 @@ class Fetcher:
                 if token is not None:
                     self.floors.abandon(token)
                 raise
-        return self._jobs(rows, token)
+        return self._jobs(rows, token, gen)
 
     async def _discover(self, conn: psycopg.AsyncConnection[Any], queues: list[str]) -> None:
         token, _ = self.floors.begin()
         try:
-            cur = await conn.execute(self._db.sql.lanes_discover, {"queues": queues})
+            cur = await conn.execute(self._db.sql_of(self.gen).lanes_discover,
+                                     {"queues": queues})
             rows = await cur.fetchall()
         except BaseException:
             self.floors.abandon(token)
@@ -354,33 +405,36 @@ class Fetcher:
 
     # --- claims folded into the completer's flushes --------------------------------------
 
-    def fold(self, plain: bool = False) -> FoldedClaim | None:
+    def fold(self, plain: bool = False, gen: int | None = None) -> FoldedClaim | None:
         """A claim for the completer to add to its flush, its slots reserved until
         folded_claimed() or folded_failed(); None when nothing should be claimed now
-        (stopping, or no free slot). `plain`: the flush's outcomes are done without results,
-        or failed (sql/claim.py, plain_outcomes).
+        (stopping, or no free slot), or when the flush's outcomes are of jobs of another
+        generation (`gen`) than the one this claim would read: one statement names one
+        partition. `plain`: the flush's outcomes are done without results, or failed
+        (sql/claim.py, plain_outcomes).
         """
         if self.stopping or self._suspect or self._narrow:
+            return None
+        if gen != (self.gen if self._limits is None else None):
             return None
         limit = min(self._batch_size, self._free())
         if limit <= 0:
             return None
         self._reserved += limit
-        st = self._db.sql_plain if plain else self._db.sql
         # Lanes not known yet: this claim walks them from their start, the fetcher's own next
         # claim discovers them.
-        query, params, token = self._choose(
+        query, params, token, claim_gen = self._choose(lambda st: (
             (st.job_set_outcome_if_running_many_then_claim_one_queue,
              st.job_set_outcome_if_running_many_then_claim_many_queues),
             (st.job_set_outcome_if_running_many_then_claim_one_queue_limited,
              st.job_set_outcome_if_running_many_then_claim_many_queues_limited),
             (st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors,
-             st.job_set_outcome_if_running_many_then_claim_many_queues_from_floors),
-            limit)
-        return FoldedClaim(query, params, limit, token)
+             st.job_set_outcome_if_running_many_then_claim_many_queues_from_floors)),
+            limit, plain)
+        return FoldedClaim(query, params, limit, token, claim_gen)
 
     def folded_claimed(self, rows: Sequence[Sequence[Any]], claim: FoldedClaim) -> None:
-        jobs = self._jobs(rows, claim.token)
+        jobs = self._jobs(rows, claim.token, claim.gen)
         self._reserved -= claim.reserved
         self.found_less = len(jobs) < claim.reserved
         self._hand_out(jobs)

@@ -33,10 +33,13 @@ class Statements(EnqueueStatements, WorkerStatements, MaintenanceStatements, Adm
                  DoctorStatements, BrowseStatements, TestingStatements, WorkflowStatements):
     schema: str
     plain_outcomes: bool = False
+    part: int | None = None
 
 
 @cache
-def statements(schema: str, plain_outcomes: bool = False) -> Statements:
+def statements(schema: str, plain_outcomes: bool = False, part: int | None = None
+               ) -> Statements:
     """The statements of `schema`; `plain_outcomes`: the worker's flush of batches whose every
-    outcome is done without a result, or failed (claim.py, WorkerStatements._OUTCOME_CTES)."""
-    return Statements(schema, plain_outcomes)
+    outcome is done without a result, or failed (claim.py, WorkerStatements._OUTCOME_CTES);
+    `part`: the generation whose partition the worker's claims and completions name (Role)."""
+    return Statements(schema, plain_outcomes, part)

@@ -77,7 +77,7 @@ class WorkerStatements(Role):
         # and guesses that IN returns a tenth of the table, then hash-joins it against a
         # sequential scan; an array's ids are looked up by primary key whatever its size.
         return (
-            "UPDATE {s}.jobs SET status = 'running', locked_by = %(worker)s,"
+            "UPDATE {s}.{j} SET status = 'running', locked_by = %(worker)s,"
             "   locked_at = now(), attempts = attempts + 1"
             f" WHERE id = ANY(ARRAY({next_due}))"
             " RETURNING {c}"
@@ -99,13 +99,13 @@ class WorkerStatements(Role):
         # probe depends on the queue alone, evaluated once per queue, not once per row.
         return (
             "WITH RECURSIVE p AS ("
-            "  (SELECT priority FROM {s}.jobs"
+            "  (SELECT priority FROM {s}.{j}"
             f"   WHERE queue = {queue} AND status = 'queued'"
             "     AND NOT EXISTS (SELECT FROM {s}.paused_queues pq"
             f"       WHERE pq.queue = {queue})"
             "   ORDER BY priority DESC LIMIT 1)"
             "  UNION ALL"
-            "  SELECT (SELECT j.priority FROM {s}.jobs j"
+            "  SELECT (SELECT j.priority FROM {s}.{j} j"
             f"   WHERE j.queue = {queue} AND j.status = 'queued' AND j.priority < p.priority"
             "   ORDER BY j.priority DESC LIMIT 1)"
             "  FROM p WHERE p.priority IS NOT NULL)"
@@ -127,7 +127,7 @@ class WorkerStatements(Role):
                 "  ORDER BY j.run_at, j.id LIMIT %(limit)s"
                 "  FOR NO KEY UPDATE OF j SKIP LOCKED) n"
                 if limited else
-                "  SELECT id, priority, run_at FROM {s}.jobs"
+                "  SELECT id, priority, run_at FROM {s}.{j}"
                 f"  WHERE queue = {queue} AND status = 'queued' AND priority = p.priority"
                 "    AND run_at <= now()"
                 "  ORDER BY run_at, id LIMIT %(limit)s"
@@ -185,7 +185,7 @@ class WorkerStatements(Role):
         # nested loop: no sort, and only rows it returns are locked); several queues' lanes
         # are merged by claim order, as _next_due_many_queues does.
         lane = (
-            "SELECT j.id, j.priority, j.run_at FROM {s}.jobs j"
+            "SELECT j.id, j.priority, j.run_at FROM {s}.{j} j"
             " WHERE j.queue = l.queue AND j.status = 'queued' AND j.priority = l.priority"
             "   AND (j.run_at, j.id) >= (" + _FLOOR_AT + ", l.id) AND j.run_at <= now()"
             "   AND NOT EXISTS (SELECT FROM {s}.paused_queues pq WHERE pq.queue = l.queue)"
@@ -202,7 +202,7 @@ class WorkerStatements(Role):
     # left where it was is only lower than it could be.
     _PEEK = (
         "peek AS (SELECT l.queue, l.priority, f.run_at, f.id FROM lanes l LEFT JOIN LATERAL ("
-        " SELECT j.run_at, j.id FROM {s}.jobs j"
+        " SELECT j.run_at, j.id FROM {s}.{j} j"
         " WHERE j.queue = l.queue AND j.status = 'queued' AND j.priority = l.priority"
         "   AND (j.run_at, j.id) >= (" + _FLOOR_AT + ", l.id)"
         "   AND NOT EXISTS (SELECT FROM claimed c WHERE c.id = j.id)"
@@ -231,6 +231,12 @@ class WorkerStatements(Role):
         return self._job_claim_from_floors(one_queue=False)
 
     @cached_property
+    def generation_current(self) -> Statement:
+        # The generation of jobs whose partition inserts go to and claims read
+        # (0013_generations.sql).
+        return _q("SELECT gen FROM {s}.generation", self.schema)
+
+    @cached_property
     def horizon_held(self) -> Statement:
         # Whether a session has held the xmin horizon for longer than %(seconds)s: every
         # claimed row's dead index entry then stays (fetcher.py, watch_horizon).
@@ -249,15 +255,15 @@ class WorkerStatements(Role):
             "SELECT q.name, p.priority, " + _CLAMPED.format("f.run_at") + " AS run_at, f.id"
             " FROM unnest(%(queues)s::text[]) AS q(name)"
             " CROSS JOIN LATERAL (WITH RECURSIVE p AS ("
-            "  (SELECT priority FROM {s}.jobs WHERE queue = q.name AND status = 'queued'"
+            "  (SELECT priority FROM {s}.{j} WHERE queue = q.name AND status = 'queued'"
             "   ORDER BY priority DESC LIMIT 1)"
             "  UNION ALL"
-            "  SELECT (SELECT j.priority FROM {s}.jobs j"
+            "  SELECT (SELECT j.priority FROM {s}.{j} j"
             "   WHERE j.queue = q.name AND j.status = 'queued' AND j.priority < p.priority"
             "   ORDER BY j.priority DESC LIMIT 1)"
             "  FROM p WHERE p.priority IS NOT NULL)"
             "  SELECT priority FROM p WHERE priority IS NOT NULL) p"
-            " CROSS JOIN LATERAL (SELECT j.run_at, j.id FROM {s}.jobs j"
+            " CROSS JOIN LATERAL (SELECT j.run_at, j.id FROM {s}.{j} j"
             "  WHERE j.queue = q.name AND j.status = 'queued' AND j.priority = p.priority"
             "  ORDER BY j.run_at, j.id LIMIT 1) f")
 
@@ -404,7 +410,7 @@ class WorkerStatements(Role):
         # snapshot is seen (the other CTEs' scans see the snapshot's).
         " locked AS MATERIALIZED ("
         "  SELECT j.id, j.attempts, j.cancel_requested_at IS NOT NULL AS cancel"
-        "  FROM {s}.jobs j"
+        "  FROM {s}.{j} j"
         "  WHERE j.id = ANY(ARRAY(SELECT id FROM o))"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
         "  ORDER BY j.id FOR UPDATE OF j),"
@@ -416,7 +422,7 @@ class WorkerStatements(Role):
         # result, and the error for a cancelled one. So does a retry or snooze of a job whose
         # cancel was asked for after its handler ended: it is cancelled, not run again.
         " finished AS ("
-        "  DELETE FROM {s}.jobs j"
+        "  DELETE FROM {s}.{j} j"
         "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE arch))"
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
         # Jobs made final that a Queue.wait looks for: their ids to <schema>_done.
@@ -426,7 +432,7 @@ class WorkerStatements(Role):
         " updated AS ("
         # Written short: past 4,096 bytes psycopg parses a statement's text anew at every
         # execute (common.rendered), 22 us a flush for this one.
-        "  UPDATE {s}.jobs j SET"
+        "  UPDATE {s}.{j} j SET"
         "    status = CASE m.kind WHEN 'failed' THEN 'failed' ELSE 'queued' END::{s}.job_status,"
         "    run_at = CASE m.kind WHEN 'failed' THEN j.run_at"
         "             ELSE now() + make_interval(secs => m.delay) END,"

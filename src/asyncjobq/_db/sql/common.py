@@ -136,7 +136,13 @@ class Role:
     schema: str
     # The worker's flush for batches that need no join with their outcomes (claim.py).
     plain_outcomes: bool = False
+    # The partition of jobs the worker's claims and completions name (`{j}`): jobs_<part>,
+    # the generation they read (0013_generations.sql); None: jobs itself, every partition.
+    part: int | None = None
 
     def _compose(self, template: str) -> sql.SQL:
+        # Our own names, written as the templates write `jobs` (unquoted).
+        table = "jobs" if self.part is None else f"jobs_{int(self.part)}"
         return rendered(sql.SQL(template).format(
-            s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS), h=sql.SQL(HISTORY_COLUMNS)))
+            s=sql.Identifier(self.schema), c=sql.SQL(CLAIM_COLUMNS), h=sql.SQL(HISTORY_COLUMNS),
+            j=sql.SQL(table)))

@@ -41,10 +41,17 @@ class DoctorStatements(Role):
             "  coalesce(s.autovacuum_count, 0), coalesce(c.reloptions, '{{}}')"
             " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
             " LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid"
+            # jobs' rows are in its partitions, one per generation (0013_generations.sql).
             " WHERE n.nspname = {schema} AND c.relkind = 'r'"
-            "   AND c.relname IN ('jobs', 'jobs_history')"
+            "   AND c.relname IN ('jobs_0', 'jobs_1', 'jobs_history')"
             " ORDER BY c.relname"
         ).format(schema=sql.Literal(self.schema))
+
+    @cached_property
+    def doctor_generations(self) -> Statement:
+        # The current generation of jobs, its switches and the last one's time, the server's
+        # clock (0013_generations.sql, _maintenance/rotation.py).
+        return _q("SELECT gen, switches, switched_at, now() FROM {s}.generation", self.schema)
 
     @cached_property
     def doctor_index_stats(self) -> Statement:
@@ -145,6 +152,13 @@ class DoctorStatements(Role):
                                 name=sql.Identifier(index.name), s=sql.Identifier(self.schema),
                                 table=sql.Identifier(index.table),
                                 definition=sql.SQL(index.definition))
+
+    def index_create_partitioned(self, index: IndexDefinition) -> Statement:
+        # On jobs, partitioned: CONCURRENTLY is refused there, and not needed once each
+        # partition has its own index of the same definition: this only attaches them.
+        return sql.SQL("CREATE INDEX {name} ON {s}.{table} {definition}").format(
+            name=sql.Identifier(index.name), s=sql.Identifier(self.schema),
+            table=sql.Identifier(index.table), definition=sql.SQL(index.definition))
 
     def index_drop_concurrently(self, index: str) -> Statement:
         return sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {s}.{name}").format(

@@ -29,9 +29,9 @@ class EnqueueStatements(Role):
 
     def _job_insert(self, *, traced: bool, keyed: bool = False) -> Statement:
         # A live duplicate dedup_key returns the existing job's id (and false: not a new job,
-        # for on_enqueued). DO NOTHING (not a no-op DO UPDATE) keeps producers free of UPDATE
-        # privilege; when the duplicate was committed after this statement's snapshot, no id
-        # comes back and the caller runs it again.
+        # for on_enqueued): the insert's trigger inserts no row when a live job holds the key
+        # (jobs_key_take, 0013_generations.sql); when that job was committed after this
+        # statement's snapshot, no id comes back and the caller runs it again.
         return _q(
             "WITH ins AS ("
             " INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts,"
@@ -42,8 +42,6 @@ class EnqueueStatements(Role):
             "   %(max_attempts)s, %(dedup_key)s"
             + (", %(trace)s::jsonb" if traced else "")
             + (", %(key)s" if keyed else "") + ")"
-            " ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL"
-            "   AND status IN ('queued', 'running') DO NOTHING"
             " RETURNING id)"
             " SELECT id, true FROM ins"
             " UNION ALL"

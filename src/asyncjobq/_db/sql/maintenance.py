@@ -17,6 +17,7 @@ from .common import (
     history_row,
     notify_lanes,
     notify_waited,
+    rendered,
 )
 
 # The workflow edges (0012_workflows.sql) of the jobs a prune deleted (`deleted`, with their
@@ -231,17 +232,55 @@ class MaintenanceStatements(Role):
         # such vacuum known). That vacuum could remove no row deleted after it began, and
         # neither can the next: it would only read the table, which grows while the horizon
         # stays.
+        # jobs is partitioned (0013_generations.sql): its partitions' statistics, summed.
         return sql.SQL(
-            "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),"
-            "  extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum)),"
+            "SELECT coalesce(sum(s.n_dead_tup), 0), coalesce(sum(s.n_live_tup), 0),"
+            "  extract(epoch FROM now() - max(greatest(s.last_vacuum, s.last_autovacuum))),"
             "  pg_has_role(c.relowner, 'USAGE'), now(),"
             "  coalesce(o.since < %(since)s::timestamptz, false),"
             # How long the oldest session holding the horizon now has held it (NULL: none).
             "  extract(epoch FROM now() - o.since)"
-            " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid,"
+            " FROM pg_class c JOIN pg_inherits i ON i.inhparent = c.oid"
+            "  JOIN pg_stat_user_tables s ON s.relid = i.inhrelid,"
             "  (SELECT min(h.since) AS since FROM (" + HORIZON_HOLDERS + ") h) o"
             " WHERE c.oid = to_regclass({})"
+            " GROUP BY c.relowner, o.since"
         ).format(sql.Literal(f'"{self.schema}".jobs'))
+
+    # --- maintenance: generations of jobs (0013_generations.sql, _maintenance/rotation.py) ---
+
+    @cached_property
+    def generation_state(self) -> Statement:
+        # The current generation; the bytes of its partition (indexes and TOAST too); whether
+        # the other partition holds a queued row (read through its claim index: its entries
+        # of rows claimed since are bounded by the partition's size); for how many seconds
+        # the oldest session holding the xmin horizon has held it (NULL: none).
+        part = [sql.Literal(f'"{self.schema}".jobs_{g}') for g in (0, 1)]
+        return rendered(sql.SQL(
+            "SELECT g.gen, pg_total_relation_size(CASE g.gen WHEN 0 THEN {p0}::regclass"
+            "  ELSE {p1}::regclass END),"
+            " CASE g.gen WHEN 0 THEN EXISTS (SELECT FROM {s}.jobs_1 WHERE status = 'queued')"
+            "  ELSE EXISTS (SELECT FROM {s}.jobs_0 WHERE status = 'queued') END,"
+            " (SELECT extract(epoch FROM now() - min(h.since)) FROM (" + HORIZON_HOLDERS
+            + ") h)"
+            " FROM {s}.generation g").format(s=sql.Identifier(self.schema), p0=part[0],
+                                             p1=part[1]))
+
+    @cached_property
+    def generation_sweep(self) -> Statement:
+        return _q("SELECT {s}.move_queued_jobs(%(n)s)", self.schema)
+
+    @cached_property
+    def generation_drain(self) -> Statement:
+        return _q("SELECT {s}.drain_old_jobs(%(n)s)", self.schema)
+
+    @cached_property
+    def generation_rotate(self) -> Statement:
+        return _q("SELECT {s}.rotate_jobs(%(n)s)", self.schema)
+
+    @cached_property
+    def read_committed(self) -> Statement:
+        return sql.SQL("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
 
     @cached_property
     def job_table_vacuum(self) -> Statement:

@@ -1,0 +1,231 @@
+"""Jobs in two generations (0013_generations.sql, src/asyncjobq/_maintenance/rotation.py): the
+leader empties the other partition by TRUNCATE and makes it current, and no job is lost, run
+twice or freed of its dedup_key, a running one moved keeps its outcome, a workflow's parent
+moved keeps its children waiting, and a switch that cannot take its lock changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import psycopg
+import pytest
+from conftest import execute, fetchval, running, wait_for
+from psycopg import sql
+
+from asyncjobq import Job, Queue, Worker
+
+
+async def _gen(q: Queue) -> int:
+    return int(await fetchval(q, "SELECT gen FROM {s}.generation"))
+
+
+async def _rotate(q: Queue) -> int:
+    """One switch, as the leader runs it; the rows it moved (-1: it could not lock)."""
+    async with q.connection() as conn:
+        cur = await conn.execute(q.sql.generation_rotate, {"n": 5000})
+        row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+async def _rows(q: Queue, query: str) -> list[tuple[object, ...]]:
+    async with q.connection() as conn:
+        cur = await conn.execute(sql.SQL(query).format(s=sql.Identifier(q.schema)))
+        return list(await cur.fetchall())
+
+
+async def _where(q: Queue) -> dict[int, tuple[int, str]]:
+    async with q.connection() as conn:
+        cur = await conn.execute(sql.SQL("SELECT id, gen, status::text FROM {}.jobs").format(
+            sql.Identifier(q.schema)))
+        return {int(i): (int(g), s) for i, g, s in await cur.fetchall()}
+
+
+async def test_a_switch_empties_the_other_partition_and_keeps_every_live_row(
+        queue: Queue) -> None:
+    ids = [await queue.enqueue("t", {"n": n}) for n in range(6)]
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', locked_by = 'w',"
+                         " attempts = 1 WHERE id = %s", ids[0])
+    await execute(queue, "UPDATE {s}.jobs SET status = 'failed', finished_at = now()"
+                         " WHERE id = %s", ids[1])
+    assert await _gen(queue) == 0
+    assert await _rotate(queue) >= 4  # the queued rows, into the new current partition
+    assert await _gen(queue) == 1
+    where = await _where(queue)
+    assert {i: g for i, (g, s) in where.items() if s == "queued"} == {i: 1 for i in ids[2:]}
+    assert where[ids[0]] == (0, "running") and where[ids[1]] == (0, "failed")
+    # The next switch empties jobs_0: its running and failed rows move to jobs_1, the queued
+    # ones on to jobs_0, current again. Nothing is lost.
+    assert await _rotate(queue) >= 2 + 4
+    assert await _gen(queue) == 0
+    where = await _where(queue)
+    assert sorted(where) == sorted(ids)
+    assert where[ids[0]] == (1, "running") and where[ids[1]] == (1, "failed")
+    assert {i: g for i, (g, s) in where.items() if s == "queued"} == {i: 0 for i in ids[2:]}
+    # Ids carry on from the same sequence.
+    assert await queue.enqueue("t", {}) > max(ids)
+
+
+async def test_a_dedup_key_stays_held_across_switches(queue: Queue) -> None:
+    first = await queue.enqueue("t", {}, dedup_key="k")
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', locked_by = 'w',"
+                         " attempts = 1 WHERE id = %s", first)
+    await _rotate(queue)  # the running job stays in jobs_0, inserts go to jobs_1
+    assert await queue.enqueue("t", {}, dedup_key="k") == first
+    await _rotate(queue)  # and now it moves
+    assert await queue.enqueue("t", {}, dedup_key="k") == first
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE dedup_key = 'k'") == 1
+    # Its end frees the key: a move did not.
+    await execute(queue, "DELETE FROM {s}.jobs WHERE id = %s", first)
+    second = await queue.enqueue("t", {}, dedup_key="k")
+    assert second != first
+    assert await fetchval(queue, "SELECT job_id FROM {s}.job_keys WHERE dedup_key = 'k'") \
+        == second
+
+
+async def test_a_failed_job_with_a_held_key_is_not_requeued(queue: Queue) -> None:
+    old = await queue.enqueue("t", {}, dedup_key="k")
+    await execute(queue, "UPDATE {s}.jobs SET status = 'failed', finished_at = now()"
+                         " WHERE id = %s", old)
+    live = await queue.enqueue("t", {}, dedup_key="k")
+    assert live != old
+    await _rotate(queue)
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        await execute(queue, "UPDATE {s}.jobs SET status = 'queued', finished_at = NULL"
+                             " WHERE id = %s", old)
+
+
+async def test_a_switch_waits_for_no_lock_and_changes_nothing_without_it(
+        queue: Queue, pg_dsn: str) -> None:
+    await queue.enqueue("t", {})
+    with psycopg.connect(pg_dsn) as holder:  # idle in a transaction that read jobs_1
+        holder.execute(sql.SQL("SELECT count(*) FROM {}.jobs").format(
+            sql.Identifier(queue.schema)))
+        assert await _rotate(queue) == -1
+        assert await _gen(queue) == 0
+        holder.rollback()
+    assert await _rotate(queue) >= 1
+
+
+@pytest.mark.parametrize("switch_mb", [0.05])
+async def test_jobs_flow_through_many_switches_each_done_once(
+        queue: Queue, monkeypatch: pytest.MonkeyPatch, switch_mb: float) -> None:
+    """The leader switches whenever the current partition passes 50 kB (and twice what it held
+    after its last switch), while 4,000 jobs are enqueued, a quarter of them retried once, and
+    completed: every job done exactly once."""
+    monkeypatch.setenv("ASYNCJOBQ_ROTATION", "always")
+    monkeypatch.setenv("ASYNCJOBQ_ROTATE_MB", str(switch_mb))
+    done: Counter[int] = Counter()
+    tries: Counter[int] = Counter()
+
+    @queue.task(name="t", max_attempts=3, backoff=lambda attempt: 0.0)
+    async def t(job: Job) -> None:
+        tries[job.id] += 1
+        if tries[job.id] == 1 and job.id % 4 == 0:
+            raise RuntimeError("once")
+        done[job.id] += 1
+
+    w = Worker(queue, concurrency=20, batch_size=10, poll_interval=0.2)
+    ids: list[int] = []
+    async with running(w):
+        w.rotation.interval = 0.2
+        for _ in range(40):
+            ids += await queue.enqueue_many("t", [{}] * 100)
+            await asyncio.sleep(0.1)
+        await wait_for(lambda: len(done) == len(ids), 60, what="every job done")
+        assert w.rotation.switches >= 3, w.rotation.switches
+    assert set(done) == set(ids)
+    assert max(done.values()) == 1
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 0
+
+
+async def test_a_running_job_moved_by_a_switch_keeps_its_outcome(queue: Queue) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+    done: list[int] = []
+
+    @queue.task(name="slow")
+    async def slow(job: Job) -> str:
+        started.set()
+        await release.wait()
+        done.append(job.id)
+        return "ok"
+
+    w = Worker(queue, concurrency=2, poll_interval=0.1)
+    async with running(w):
+        job_id = await slow.enqueue({})
+        await asyncio.wait_for(started.wait(), 10)
+        await _rotate(queue)  # inserts go to jobs_1; the running row stays in jobs_0
+        await _rotate(queue)  # jobs_0 emptied: the running row moved to jobs_1
+        assert (await _where(queue))[job_id] == (1, "running")
+        release.set()
+        await wait_for(lambda: done == [job_id], 10, what="the job done")
+        await wait_for(lambda: w.completed == 1, 10, what="its outcome written")
+    assert w.completer is not None and w.completer.refused == 0
+    result = await queue.get(job_id)
+    assert result is not None and result.status == "done" and result.result == "ok"
+
+
+async def test_a_parent_moved_by_a_switch_still_releases_its_child(queue: Queue) -> None:
+    parent = await queue.enqueue("p", {})
+    child = await queue.enqueue("c", {}, after=[parent])
+    assert (await _where(queue))[child][1] == "waiting"
+    await _rotate(queue)
+    await _rotate(queue)  # both moved twice: no end of the parent was seen
+    assert (await _where(queue))[child][1] == "waiting"
+    ran: list[str] = []
+
+    @queue.task(name="p")
+    async def p(job: Job) -> None:
+        ran.append("p")
+
+    @queue.task(name="c")
+    async def c(job: Job) -> None:
+        ran.append("c")
+
+    async with running(Worker(queue, poll_interval=0.1)):
+        await wait_for(lambda: ran == ["p", "c"], 20, what="the parent, then its child")
+
+
+async def test_a_switch_refuses_an_isolation_other_than_read_committed(queue: Queue) -> None:
+    async with queue.connection() as conn:
+        async with conn.transaction():
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            with pytest.raises(psycopg.errors.FeatureNotSupported, match="READ COMMITTED"):
+                await conn.execute(queue.sql.generation_rotate, {"n": 10})
+    assert await _gen(queue) == 0
+
+
+async def test_version_12_upgrades_keeping_every_job_its_id_and_key(
+        pg_dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table as it was becomes jobs_0: queued, running, failed and keyed jobs stay, ids
+    carry on after the highest one drawn, and the keys of live jobs are held."""
+    from asyncjobq._db import migrations
+
+    every = migrations.available()
+    monkeypatch.setattr(migrations, "available", lambda: [m for m in every if m.version <= 12])
+    q = Queue(pg_dsn, schema=schema)
+    async with q:
+        assert await q.install() == list(range(1, 13))
+        await execute(q, "INSERT INTO {s}.jobs (task, payload, dedup_key) SELECT 't', '{{}}',"
+                         " CASE WHEN g %% 10 = 0 THEN 'k' || g END FROM generate_series(1, 1000) g")
+        await execute(q, "UPDATE {s}.jobs SET status = 'running', locked_by = 'w', attempts = 1"
+                         " WHERE id %% 7 = 0")
+        await execute(q, "UPDATE {s}.jobs SET status = 'failed', finished_at = now()"
+                         " WHERE id %% 11 = 0 AND status = 'queued'")
+        await execute(q, "DELETE FROM {s}.jobs WHERE id > 990")  # drawn, gone
+        before = {int(i): s for i, s in await _rows(q, "SELECT id, status::text FROM {s}.jobs")}
+        monkeypatch.setattr(migrations, "available", lambda: every)
+        assert await q.install() == [13]
+        after = await _where(q)
+        assert {i: s for i, (_, s) in after.items()} == before
+        assert {g for g, _ in after.values()} == {0}
+        assert await q.enqueue("t", {}) == 1001
+        live_keys = await fetchval(q, "SELECT count(*) FROM {s}.jobs WHERE dedup_key IS NOT NULL"
+                                      " AND status IN ('queued', 'running')")
+        assert await fetchval(q, "SELECT count(*) FROM {s}.job_keys") == live_keys > 0
+        held = await fetchval(q, "SELECT dedup_key FROM {s}.jobs WHERE dedup_key IS NOT NULL"
+                                 " AND status = 'queued' ORDER BY id LIMIT 1")
+        first = await fetchval(q, "SELECT id FROM {s}.jobs WHERE dedup_key = %s", held)
+        assert await q.enqueue("t", {}, dedup_key=held) == first
