@@ -286,6 +286,15 @@ class Run:
             start = pinned[0]["t"]
             out["pinned_sizes"] = [[round(x["t"] - start), x["size"], x["dead"]]
                                    for x in pinned]
+            # A long pin: the claim's times minute by minute (is the last like the first?).
+            minutes: dict[int, list[float]] = {}
+            for t, d in timings:
+                if start <= t <= pinned[-1]["t"]:
+                    minutes.setdefault(int((t - start) // 60), []).append(d * 1000)
+            out["pinned_minutes"] = [
+                [m, round(statistics.median(v), 3),
+                 round(statistics.quantiles(v, n=100)[98], 3) if len(v) >= 100 else None,
+                 len(v)] for m, v in sorted(minutes.items())]
         return out
 
 

@@ -10,9 +10,10 @@ one, claims name it. Every turn the leader:
 - while a session has held the horizon for HELD seconds (`ROTATION_ENV=always`: whatever the
   horizon), and the current partition has grown past ROTATE_AT and past twice what it held
   just after the last switch (so that the rows each switch copies, the live ones, cost no more
-  than the dead space it gives back), switches: `rotate_jobs()` locks the other partition
-  under `lock_timeout`, moves its live rows out, TRUNCATEs it, makes it current and moves the
-  old one's queued rows in.
+  than the dead space it gives back), switches: the other partition's live rows are moved
+  into the current one in short transactions (`drain_old_jobs()`), then `rotate_jobs()` locks
+  it without waiting (NOWAIT), moves what is left, TRUNCATEs it, makes it current and moves
+  the old one's best queued rows in; the sweep moves the rest.
 
 Without a held horizon vacuum keeps the partition small and nothing switches.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 from .._db.database import Conn, Database
 from .._db.sql import Statement
+from ..errors import ConfigurationError
 from .services import Service
 
 log = logging.getLogger("asyncjobq.rotation")
@@ -37,6 +39,7 @@ ROTATION_ENV = "ASYNCJOBQ_ROTATION"
 # (ASYNCJOBQ_ROTATE_MB overrides): the size a pinned horizon leaves the hot path at most is
 # about twice this, whatever the pin's length.
 ROTATE_AT = 16 * 1024 * 1024
+ROTATE_MB_ENV = "ASYNCJOBQ_ROTATE_MB"
 # A session has held the horizon this long: vacuum can remove nothing newer than it.
 HELD = 2.0
 # Rows moved by one statement (one transaction) of a sweep, of the drain before a switch, and
@@ -57,9 +60,18 @@ class Rotation(Service):
     def __init__(self, db: Database, *, interval: float = 1.0) -> None:
         self._db = db
         self.interval = interval
-        self.mode = os.environ.get(ROTATION_ENV, "held")
-        mb = os.environ.get("ASYNCJOBQ_ROTATE_MB")
-        self.rotate_at = int(float(mb) * 1024 * 1024) if mb else ROTATE_AT
+        self.mode = os.environ.get(ROTATION_ENV) or "held"
+        if self.mode not in ("held", "always", "off"):
+            raise ConfigurationError(f"{ROTATION_ENV}={self.mode!r}: use held (the default), "
+                                     "always or off")
+        mb = os.environ.get(ROTATE_MB_ENV)
+        try:
+            self.rotate_at = int(float(mb) * 1024 * 1024) if mb else ROTATE_AT
+        except ValueError:
+            self.rotate_at = -1
+        if self.rotate_at <= 0:
+            raise ConfigurationError(f"{ROTATE_MB_ENV}={mb!r}: give the size in MB at which "
+                                     "the current partition of jobs is switched (16 by default)")
         self.switches = 0
         self.swept = 0  # queued rows moved into the current partition by sweeps
         self.refused = 0  # switches that could not take the lock
@@ -79,13 +91,17 @@ class Rotation(Service):
                 return False
             gen, size, stray, held_for = int(row[0]), int(row[1]), bool(row[2]), row[3]
             if stray:
-                self.swept += await self._repeat(conn, st.generation_sweep)
+                self.swept += (await self._repeat(conn, st.generation_sweep))[0]
             if self.mode == "off" or size < max(self.rotate_at, 2 * (self._after or 0)):
                 return False
             if self.mode != "always" and (held_for is None or float(held_for) < HELD):
                 return False
-            # What the switch would move under its lock, moved first in short transactions.
-            await self._repeat(conn, st.generation_drain)
+            # What the switch would move under its lock, moved first in short transactions;
+            # the switch waits for a turn that finds little left (a partition holding many
+            # live rows takes several turns).
+            _, drained = await self._repeat(conn, st.generation_drain)
+            if not drained:
+                return False
             result = await self._call(conn, st.generation_rotate)
             moved = int(result[0]) if result else -1
             if moved < 0:
@@ -99,7 +115,7 @@ class Rotation(Service):
                         self._db.schema, 1 - gen, self.interval)
                 return False
             # The rest of the old partition's backlog, into the new current one.
-            self.swept += await self._repeat(conn, st.generation_sweep)
+            self.swept += (await self._repeat(conn, st.generation_sweep))[0]
             cur = await conn.execute(st.generation_state)
             after = await cur.fetchone()
             self._after = int(after[1]) if after else None
@@ -109,17 +125,19 @@ class Rotation(Service):
                  "%.1f MB)", 1 - gen, 1 - gen, gen, size / 1024 / 1024)
         return True
 
-    async def _repeat(self, conn: Conn, statement: Statement) -> int:
-        """Run a move of up to BATCH rows, each in a transaction of its own (autocommit),
-        until one moves fewer, or for MOVE_BUDGET seconds; the rows moved."""
+    async def _repeat(self, conn: Conn, statement: Statement) -> tuple[int, bool]:
+        """Run a move of up to BATCH rows, each in a transaction of its own, until one moves
+        fewer (True: nothing left), or for MOVE_BUDGET seconds (False); the rows moved."""
         total = 0
         until = time.monotonic() + MOVE_BUDGET
         while True:
             row = await self._call(conn, statement)
             moved = int(row[0]) if row and row[0] is not None else 0
             total += moved
-            if moved < BATCH or time.monotonic() > until:
-                return total
+            if moved < BATCH:
+                return total, True
+            if time.monotonic() > until:
+                return total, False
 
     async def _call(self, conn: Conn, statement: Statement) -> tuple[Any, ...] | None:
         # READ COMMITTED, in a transaction of its own: every move must see what committed

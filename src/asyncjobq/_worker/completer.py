@@ -220,6 +220,7 @@ class Completer:
         claim = (self._fetcher.fold(plain, gen) if fold and self._fetcher is not None
                  else None)
         written = False
+        later: list[Outcome] = []  # outcomes to write again: their second look failed
         started = time.monotonic() if self._on_flushed is not None else 0.0
         try:
             conn_cm = own.connection() if own is not None else self._db.connection()
@@ -228,18 +229,26 @@ class Completer:
                     accepted = await self._set_outcomes(conn, params, plain, gen)
                 else:
                     accepted = await self._set_outcomes_then_claim(conn, params, claim)
+                    claim = None  # committed and handed out, whatever follows
                 if gen is not None and len(accepted) < len(batch):
                     # A job the leader's rotation moved while it ran is in the other
-                    # partition now: its outcome is looked for in every one.
+                    # partition now: its outcome is looked for in every one. The first
+                    # statement committed: if this one fails, only these go back.
                     again = [o for o in batch if o.job_id not in accepted]
-                    accepted |= await self._set_outcomes(
-                        conn, {**params, "outcomes": encode_outcomes(again)}, plain, None)
+                    try:
+                        accepted |= await self._set_outcomes(
+                            conn, {**params, "outcomes": encode_outcomes(again)}, plain, None)
+                    except RETRYABLE:
+                        later = again
             written = True
         finally:
             if claim is not None and not written:
                 assert self._fetcher is not None
                 self._fetcher.folded_failed(claim)
             self._done_with(batch, written=written)
+        if later:
+            self._requeue(later)
+            batch = [o for o in batch if o not in later]
         if self._fetcher is not None:
             for o in batch:
                 self._fetcher.gen_of.pop((o.job_id, o.attempt), None)
@@ -254,6 +263,13 @@ class Completer:
         if self._on_flushed is not None:
             self._on_flushed(time.monotonic() - started)
         self._on_written([o for o in batch if o.job_id in accepted])
+
+    def _requeue(self, outcomes: list[Outcome]) -> None:
+        """Buffer outcomes again (written by no flush yet): the next flush writes them."""
+        if not self._buffer:
+            self._first_at = time.monotonic()
+        self._buffer.extend(outcomes)
+        self._signal()
 
     def _gen_of(self, o: Outcome) -> int | None:
         f = self._fetcher
