@@ -341,34 +341,34 @@ BEGIN
 END
 $$;
 
--- The leader's sweep: up to `n` queued rows of the partition that is not current into the
--- current one (an insert begun before the switch, a retry or snooze of a job claimed before
--- it, a workflow's child released there, the rest of the old one's backlog after a switch).
-CREATE FUNCTION move_queued_jobs(n int) RETURNS bigint LANGUAGE plpgsql
+-- Up to `n` rows of the partition that is not current that satisfy `which`, into the current
+-- one (the generation read under a share lock: a switch waits for the move, and a leader that
+-- has not seen the last switch cannot move rows the wrong way).
+CREATE FUNCTION jobs_move_to_current(which text, n int) RETURNS bigint LANGUAGE plpgsql
 SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
   cur smallint;
 BEGIN
   PERFORM jobs_read_committed();
   SELECT g.gen INTO cur FROM generation g FOR SHARE;
-  RETURN jobs_move((1 - cur)::smallint, cur, 'status = ''queued''', n);
+  RETURN jobs_move((1 - cur)::smallint, cur, which, n);
 END
 $$;
+
+-- The leader's sweep: up to `n` queued rows of the partition that is not current into the
+-- current one (an insert begun before the switch, a retry or snooze of a job claimed before
+-- it, a workflow's child released there, the rest of the old one's backlog after a switch).
+CREATE FUNCTION move_queued_jobs(n int) RETURNS bigint LANGUAGE sql
+SECURITY DEFINER SET search_path FROM CURRENT
+AS $$ SELECT jobs_move_to_current('status = ''queued''', n) $$;
 
 -- Before a switch, in transactions of their own that lock nothing but the rows they move: up
 -- to `n` live rows of the partition the switch will empty (whatever their status: failed,
 -- waiting, delayed, running) into the current one, so that the switch itself, which holds
 -- the partition ACCESS EXCLUSIVE, has little left to move.
-CREATE FUNCTION drain_old_jobs(n int) RETURNS bigint LANGUAGE plpgsql
-SECURITY DEFINER SET search_path FROM CURRENT AS $$
-DECLARE
-  cur smallint;
-BEGIN
-  PERFORM jobs_read_committed();
-  SELECT g.gen INTO cur FROM generation g FOR SHARE;
-  RETURN jobs_move((1 - cur)::smallint, cur, 'true', n);
-END
-$$;
+CREATE FUNCTION drain_old_jobs(n int) RETURNS bigint LANGUAGE sql
+SECURITY DEFINER SET search_path FROM CURRENT
+AS $$ SELECT jobs_move_to_current('true', n) $$;
 
 -- The switch: the other partition locked ACCESS EXCLUSIVE without waiting (NOWAIT: a
 -- request queued behind a session's lock would hold up every statement through `jobs`
@@ -402,6 +402,7 @@ BEGIN
 END
 $$;
 REVOKE EXECUTE ON FUNCTION jobs_move(smallint, smallint, text, int) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION jobs_move_to_current(text, int) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION rotate_jobs(int) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION move_queued_jobs(int) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION drain_old_jobs(int) FROM PUBLIC;
