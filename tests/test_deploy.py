@@ -362,6 +362,11 @@ async def test_partitioned_worker_host(tmp_path: Path) -> None:
                 await wait_for(rejoined, timeout=60, what="A claiming again after the cut")
                 await wait_for(lambda: {e[2] for e in events.of("end")} >= set(more),
                                timeout=60, what="the jobs after the cut")
+                # The handlers' ends are seen before their outcomes' flush commits.
+                async def flushed() -> bool:
+                    counted = (await q.stats()).get("default", {}).get("done", 0)
+                    return bool(counted >= len(ids) + len(more))
+                await wait_for(flushed, timeout=30, what="the last outcomes written")
                 stats = await q.stats()
                 async with q.connection() as conn:
                     rows = await (await conn.execute(
