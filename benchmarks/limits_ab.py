@@ -15,8 +15,8 @@ Both trees run this tree's benchmarks/ (copied over the base worktree's), so tha
 differs. Server CPU per job is the PostgreSQL processes' CPU from release to drained
 (common.server_cpu_s): nothing else may use the server meanwhile.
 
-    ASYNCJOBQ_DSN=postgresql://... .venv/bin/python -m benchmarks.limits_ab [--base d003a27]
-        [--jobs 50000] [--rounds 3]
+    ASYNCJOBQ_DSN=postgresql://... .venv/bin/python -m benchmarks.limits_ab
+        [--base d003a27[,2dcb233]] [--jobs 50000] [--rounds 3] [--concurrency 100 --batch 50]
 
 Each cell runs in a process of its tree (the worktree is made under /tmp, and removed).
 Prints one Markdown table.
@@ -31,10 +31,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, log, median
+from . import ceiling
+from .common import ROOT, log, median, server_cpu_s, start_server
 
 CELL = (
     "import json, sys\n"
@@ -43,16 +45,19 @@ CELL = (
     "server = start_server()\n"
     "try:\n"
     "    r = drain(server, 'bench_limits_ab', int(sys.argv[1]), 1, record='none',\n"
-    "              extra=tuple(sys.argv[2:]))\n"
+    "              concurrency=int(sys.argv[2]), batch=int(sys.argv[3]),\n"
+    "              extra=tuple(sys.argv[4:]))\n"
     "finally:\n"
     "    server.stop()\n"
     "print('RESULT ' + json.dumps(r))\n"
 )
 
 
-def run_cell(tree: Path, jobs: int, extra: list[str]) -> dict[str, Any]:
+def run_cell(tree: Path, jobs: int, extra: list[str], concurrency: int = 0,
+             batch: int = 0) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree}"}
-    out = subprocess.run([sys.executable, "-c", CELL, str(jobs), *extra], cwd=tree, env=env,
+    out = subprocess.run([sys.executable, "-c", CELL, str(jobs), str(concurrency), str(batch),
+                          *extra], cwd=tree, env=env,
                          capture_output=True, text=True, timeout=1800)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -61,9 +66,45 @@ def run_cell(tree: Path, jobs: int, extra: list[str]) -> dict[str, Any]:
     raise RuntimeError(f"cell in {tree} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
 
 
+def run_loop(jobs: int, batch: int, clients: int) -> dict[str, Any]:
+    """The article's loop (ceiling.py) run by pgbench over `jobs` rows, each client claiming
+    and finishing `batch` at a time until all are done: its jobs/s and server CPU, measured
+    as a drain's are."""
+    server = start_server()
+    try:
+        ceiling.setup(server)
+        ceiling.refill(server, jobs)
+        per_client = -(-jobs // (batch * clients))
+        with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as f:
+            f.write(ceiling.SCRIPT.format(s=ceiling.SCHEMA, n=batch))
+        cpu0 = server_cpu_s()
+        t0 = time.monotonic()
+        subprocess.run([server.pgbench, "-n", "-M", "simple", "-c", str(clients), "-j",
+                        str(clients), "-t", str(per_client), "-f", f.name, server.dsn],
+                       check=True, capture_output=True, timeout=1800)
+        elapsed = time.monotonic() - t0
+        cpu1 = server_cpu_s()
+        Path(f.name).unlink()
+        with server.connect() as conn:
+            row = conn.execute(f"SELECT count(*) FILTER (WHERE status = 'done')"
+                               f" FROM {ceiling.SCHEMA}.jobs").fetchone()
+        done = int(row[0]) if row else 0
+        ceiling.teardown(server)
+    finally:
+        server.stop()
+    return {"jobs_per_s": done / elapsed, "done": done, "worker_cpu_s": float("nan"),
+            "server_cpu_s": cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--base", default="d003a27", help="the commit before flow control")
+    p.add_argument("--base", default="d003a27",
+                   help="the commit before flow control; several, comma-separated, make a "
+                        "`before` cell each")
+    p.add_argument("--concurrency", type=int, default=0, help="0: the worker's default")
+    p.add_argument("--batch", type=int, default=0, help="0: the worker's default")
+    p.add_argument("--loop-clients", type=int, default=2,
+                   help="pgbench clients of the `loop` cell (the article's loop)")
     p.add_argument("--jobs", type=int, default=50_000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cells", default="before,after,limited claim,exports",
@@ -73,50 +114,77 @@ def main() -> None:
     if not os.environ.get("ASYNCJOBQ_DSN"):
         sys.exit("set ASYNCJOBQ_DSN: each cell is a process of its own, and they must share "
                  "one server")
-    base = Path(tempfile.mkdtemp(prefix="ajq-ab-base-")) / "tree"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
-                    args.base], check=True, capture_output=True)
-    # One harness for both: this tree's benchmarks/, whose worker processes import the
-    # asyncjobq of the tree they run in (common.Workers).
-    shutil.rmtree(base / "benchmarks")
-    shutil.copytree(ROOT / "benchmarks", base / "benchmarks",
-                    ignore=shutil.ignore_patterns("results", "__pycache__"))
-    cells = [(f"before ({args.base})", base, []), ("after", ROOT, []),
+    bases = [b.strip() for b in args.base.split(",") if b.strip()]
+    trees = [Path(tempfile.mkdtemp(prefix="ajq-ab-base-")) / "tree" for _ in bases]
+    for commit, base in zip(bases, trees, strict=True):
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
+                        commit], check=True, capture_output=True)
+        # One harness for all: this tree's benchmarks/, whose worker processes import the
+        # asyncjobq of the tree they run in (common.Workers).
+        shutil.rmtree(base / "benchmarks")
+        shutil.copytree(ROOT / "benchmarks", base / "benchmarks",
+                        ignore=shutil.ignore_patterns("results", "__pycache__"))
+    befores: list[tuple[str, Path, list[str]]] = [
+        (f"before ({commit})", base, []) for commit, base in zip(bases, trees, strict=True)]
+    # The loop's batch: the worker's default one (10 at the default concurrency 20).
+    loop_batch = args.batch or max(10, min(100, (args.concurrency or 20) // 2))
+    loop = f"article loop (pgbench, batch {loop_batch}, {args.loop_clients} clients)"
+    cells = [*befores, (loop, ROOT, []), ("after", ROOT, []),
              ("after, limited claim", ROOT, ["--limited-task"]),
              ("after, limited task on exports", ROOT, ["--limited-elsewhere"]),
              ("after, handler returns a result", ROOT, ["--return-result"])]
     wanted = [w.strip() for w in args.cells.split(",") if w.strip()]
-    cells = [next(c for c in cells if w in c[0]) for w in wanted]
+    # `before` names every base's cell.
+    cells = [c for w in wanted for c in (befores if w == "before" else
+                                         [next(c for c in cells if w in c[0])])]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in cells}
     try:
         for r in range(args.rounds):
             # Every other round in reverse order: no cell always follows the same one.
             for name, tree, extra in cells if r % 2 == 0 else cells[::-1]:
                 log(f"limits A/B round {r + 1}/{args.rounds}: {name}")
-                res = run_cell(tree, args.jobs, extra)
+                res = (run_loop(args.jobs, loop_batch, args.loop_clients) if name == loop
+                       else run_cell(tree, args.jobs, extra, args.concurrency, args.batch))
                 log(f"    {res['jobs_per_s']:,.0f} jobs/s")
                 results[name].append(res)
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                       capture_output=True)
-    print("| drain, default settings, 1 process | jobs/s (median) | rounds | worker CPU s "
+        for base in trees:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(base)], capture_output=True)
+    print("| drain, 1 process | jobs/s (median) | rounds | worker CPU µs/job "
           "| server CPU µs/job (median) |")
     print("|---|---:|---|---:|---:|")
     for name, runs in results.items():
         rates = [x["jobs_per_s"] for x in runs]
         print(f"| {name} | {median(rates):,.0f} | {', '.join(f'{x:,.0f}' for x in rates)} | "
-              f"{median(x['worker_cpu_s'] for x in runs):.1f} | {server_us(runs)} |")
+              f"{worker_us(runs)} | {server_us(runs)} |")
     ref = cells[0][0]
     before = median(x["jobs_per_s"] for x in results[ref])
     for name, _, _ in cells[1:]:
         now = median(x["jobs_per_s"] for x in results[name])
         print(f"\n{name}: {now / before:.3f}x the jobs/s of {ref}")
+    if loop in results:
+        at = server_per_job(results[loop])
+        for name, _, _ in cells:
+            if name != loop and at:
+                print(f"\n{name}: server CPU per job {server_per_job(results[name]) / at:.2f}x"
+                      " the article loop's")
+
+
+def server_per_job(runs: list[dict[str, Any]]) -> float:
+    """Median µs of server CPU per job; nan when /proc could not tell."""
+    return median(1e6 * x["server_cpu_s"] / x["done"] for x in runs
+                  if x.get("server_cpu_s") is not None and x["done"])
+
+
+def worker_us(runs: list[dict[str, Any]]) -> str:
+    per_job = median(1e6 * x["worker_cpu_s"] / x["done"] for x in runs if x["done"])
+    return "-" if per_job != per_job else f"{per_job:.0f}"
 
 
 def server_us(runs: list[dict[str, Any]]) -> str:
-    per_job = [1e6 * x["server_cpu_s"] / x["done"] for x in runs
-               if x.get("server_cpu_s") is not None and x["done"]]
-    return f"{median(per_job):.0f}" if per_job else "-"
+    per_job = server_per_job(runs)
+    return "-" if per_job != per_job else f"{per_job:.0f}"
 
 
 if __name__ == "__main__":

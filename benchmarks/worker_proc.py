@@ -67,6 +67,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["batch_size"] = args.batch
     if args.metrics_port is not None:
         kwargs["metrics_port"] = args.metrics_port
+    if args.no_vacuum:
+        kwargs["vacuum_interval"] = None
     worker = Worker(queue, poll_interval=args.poll_interval, listen=not args.listen_off,
                     **kwargs)
     await queue.open()
@@ -115,6 +117,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--limited-elsewhere", action="store_true")
     # The results A/B: the handler returns a small dict, stored as each job's result.
     p.add_argument("--return-result", action="store_true")
+    # Without the leader's vacuum of the hot table (Worker(vacuum_interval=None)).
+    p.add_argument("--no-vacuum", action="store_true")
     return p.parse_args()
 
 
