@@ -46,7 +46,7 @@ CELL = (
     "try:\n"
     "    r = drain(server, 'bench_limits_ab', int(sys.argv[1]), 1, record='none',\n"
     "              concurrency=int(sys.argv[2]), batch=int(sys.argv[3]),\n"
-    "              extra=tuple(sys.argv[4:]))\n"
+    "              sleep=float(sys.argv[4]), extra=tuple(sys.argv[5:]))\n"
     "finally:\n"
     "    server.stop()\n"
     "print('RESULT ' + json.dumps(r))\n"
@@ -54,10 +54,10 @@ CELL = (
 
 
 def run_cell(tree: Path, jobs: int, extra: list[str], concurrency: int = 0,
-             batch: int = 0) -> dict[str, Any]:
+             batch: int = 0, sleep: float = 0.0) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree}"}
     out = subprocess.run([sys.executable, "-c", CELL, str(jobs), str(concurrency), str(batch),
-                          *extra], cwd=tree, env=env,
+                          str(sleep), *extra], cwd=tree, env=env,
                          capture_output=True, text=True, timeout=1800)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -103,6 +103,8 @@ def main() -> None:
                         "`before` cell each")
     p.add_argument("--concurrency", type=int, default=0, help="0: the worker's default")
     p.add_argument("--batch", type=int, default=0, help="0: the worker's default")
+    p.add_argument("--sleep", type=float, default=0.0,
+                   help="seconds each handler awaits (io_bound.py: 0.005)")
     p.add_argument("--loop-clients", type=int, default=2,
                    help="pgbench clients of the `loop` cell (the article's loop)")
     p.add_argument("--jobs", type=int, default=50_000)
@@ -144,7 +146,8 @@ def main() -> None:
             for name, tree, extra in cells if r % 2 == 0 else cells[::-1]:
                 log(f"limits A/B round {r + 1}/{args.rounds}: {name}")
                 res = (run_loop(args.jobs, loop_batch, args.loop_clients) if name == loop
-                       else run_cell(tree, args.jobs, extra, args.concurrency, args.batch))
+                       else run_cell(tree, args.jobs, extra, args.concurrency, args.batch,
+                                args.sleep))
                 log(f"    {res['jobs_per_s']:,.0f} jobs/s")
                 results[name].append(res)
     finally:

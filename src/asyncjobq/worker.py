@@ -260,6 +260,7 @@ class Worker:
             concurrency=self.concurrency, poll_interval=self.poll_interval,
             free_slots=self._free_slots, dispatch=self._running.dispatch,
             keep=self._running.keep, claimed=self._claimed,
+            folding=lambda: self.completer is not None and self.completer.folds_soon(),
             # Only the limits of tasks declared on this worker's queues: any limit sent makes
             # every claim the slower limited one (docs/guides/flow-control.md), and a limited
             # task's jobs are in its own queue (Queue.enqueue refuses any other; one written

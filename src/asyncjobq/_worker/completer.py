@@ -106,6 +106,13 @@ class Completer:
         """Outcomes the lanes write at once: a backlog up to this is normal, not a jam."""
         return len(self._lanes) * self._max_batch
 
+    def folds_soon(self) -> bool:
+        """A flush is due now (a full batch waits, or the first outcome waited its
+        flush_interval): a lane's flush of it is about to fold a claim (Fetcher.fold)."""
+        return bool(self._buffer) and (
+            len(self._buffer) >= self._max_batch
+            or self._first_at + self._flush_interval <= time.monotonic())
+
     @property
     def backlog(self) -> int:
         """Outcomes not written yet: their jobs still count against the worker's slots."""

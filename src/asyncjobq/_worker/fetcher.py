@@ -127,8 +127,11 @@ class Fetcher:
         claimed: Callable[[list[Job]], None] | None = None,
         limits: dict[str, dict[str, object]] | None = None,
         control: JobControl | None = None,
+        folding: Callable[[], bool] = lambda: False,
     ) -> None:
         self._db = db
+        # Whether outcomes wait whose flush will fold a claim (Completer.folds_soon).
+        self._folding = folding
         self._worker_id = worker_id
         self._control = control  # lent to each Job (cancel_requested, set_progress)
         # The last claim found fewer jobs than it asked for: nothing more is due now, as far
@@ -467,6 +470,14 @@ class Fetcher:
     def _free(self) -> int:
         return self._free_slots() - self._reserved
 
+    def _defer(self) -> bool:
+        """Leave a short claim to the next flush: while claims come back full, the slots that
+        handlers free are claimed by the flush of their outcomes (fold), in one statement
+        with them, where a claim of its own would cost another statement and commit for a
+        part of a batch."""
+        return (not self.found_less and not self._suspect and not self._narrow
+                and self._folding())
+
     async def _claim_reserving(self, limit: int) -> list[Job]:
         # The slots stay reserved while the claim is in flight, as a folded claim's do: a flush
         # folding a claim meanwhile would otherwise count them as free too, and the worker
@@ -549,7 +560,7 @@ class Fetcher:
         retry = RetryPolicy(log, "claiming jobs")
         while not self.stopping:
             free = self._free()
-            if free <= 0:
+            if free <= 0 or self._defer():
                 await self.slot_freed.wait()
                 self.slot_freed = anyio.Event()
                 continue
