@@ -30,7 +30,7 @@ def _at(seconds: float) -> datetime:
 
 
 def _known(f: Floors, *lanes: tuple[str, int, float, int]) -> None:
-    token, _ = f.begin()
+    token, _, _ = f.begin()
     f.discovered(token, [(q, p, _at(s), i) for q, p, s, i in lanes],
                  sorted({q for q, *_ in lanes}))
 
@@ -47,8 +47,8 @@ def test_a_claim_moves_each_floor_to_the_first_queued_row_it_saw() -> None:
     assert f.unknown() == ["a"]
     _known(f, ("a", 0, 1, 1), ("a", 5, 2, 2))
     assert f.ready()
-    token, params = f.begin()
-    lanes = json.loads(str(params["lanes"]))
+    token, _, params = f.begin()
+    lanes = json.loads(params)
     assert [p for _, p, _, _ in lanes] == [5, 0]  # claim order: the highest priority first
     f.settle(token, [["a", 0, _at(9).isoformat(), 7], ["a", 5, None, None]])
     assert _floor(f, "a", 0) == (_at(9), 7)
@@ -58,7 +58,7 @@ def test_a_claim_moves_each_floor_to_the_first_queued_row_it_saw() -> None:
 def test_a_notification_lowers_a_floor_and_outlives_a_claim_in_flight() -> None:
     f = Floors(["a"])
     _known(f, ("a", 0, 5, 1))
-    token, _ = f.begin()
+    token, _, _ = f.begin()
     # Heard while the claim was in flight: its snapshot may predate the commit.
     f.lower("a", [[0, _at(3).timestamp()], [7, _at(4).timestamp()]])
     f.settle(token, [["a", 0, _at(10).isoformat(), 9]])
@@ -66,8 +66,8 @@ def test_a_notification_lowers_a_floor_and_outlives_a_claim_in_flight() -> None:
     assert _floor(f, "a", 7) < (_at(4), 0)  # a new lane, learnt from the notification
     # Heard before the next claim was sent: that claim started below it, its answer stands.
     f.lower("a", [[0, _at(1).timestamp()]])
-    token, params = f.begin()
-    assert datetime.fromisoformat(json.loads(str(params["lanes"]))[1][2]) < _at(1)
+    token, _, params = f.begin()
+    assert datetime.fromisoformat(json.loads(params)[1][2]) < _at(1)
     f.settle(token, [["a", 0, _at(12).isoformat(), 11], ["a", 7, None, None]])
     assert _floor(f, "a", 0) == (_at(12), 11)
     # A notification for another worker's queue changes nothing here.
@@ -81,8 +81,8 @@ def test_what_cannot_be_trusted_is_discovered_again() -> None:
     f.lower("a", None)  # a notification that did not name its lanes
     assert f.unknown() == ["a"]
     _known(f, ("a", 0, 5, 1))
-    claim, _ = f.begin()
-    discovery, _ = f.begin()
+    claim, _, _ = f.begin()
+    discovery, _, _ = f.begin()
     f.forget()  # the LISTEN connection went down, or came back: notifications were lost
     assert f.unknown() == ["a", "b"]
     f.settle(claim, [["a", 0, _at(9).isoformat(), 3]])
@@ -148,8 +148,8 @@ async def test_a_pinned_horizon_does_not_slow_a_claim_from_floors(queue: Queue,
             # A claim reads its floors one time in PEEK_EVERY: the idle worker's next ones do.
             await wait_for(lambda: _floor(fetcher.floors, "default", 0) == TOP, 10,
                            what="the floor past the last job")
-            _, lanes = fetcher.floors.begin()
-        params = {"queue": "default", "worker": "probe", "limit": 10, **lanes}
+            _, _, lanes = fetcher.floors.begin()
+        params = {"queue": "default", "worker": "probe", "limit": 10, "lanes": lanes}
         # As the worker claims: from the current generation's partition.
         st = queue.database.sql_of(fetcher.gen)
         from_floors = await _claim_blocks(queue, st.job_claim_one_queue_from_floors, params)
@@ -227,7 +227,7 @@ async def test_jobs_written_while_notifications_were_lost_are_claimed(
 def test_a_claim_in_flight_across_a_reconnect_cannot_raise_a_floor_again() -> None:
     f = Floors(["a"])
     _known(f, ("a", 0, 5, 1))
-    stale, _ = f.begin()
+    stale, _, _ = f.begin()
     f.forget()
     _known(f, ("a", 0, 3, 2))  # rediscovered: a row written while deaf, below the old floor
     f.settle(stale, [["a", 0, _at(9).isoformat(), 3]])
@@ -265,11 +265,11 @@ async def test_jobs_due_at_infinity_or_in_a_far_century_stop_no_claim(
 def test_a_floor_at_minus_infinity_keeps_its_id_and_goes_out_as_null() -> None:
     f = Floors(["a"])
     _known(f, ("a", 0, 5, 1))
-    token, _ = f.begin()
+    token, _, _ = f.begin()
     f.settle(token, [["a", 0, "-infinity", 42], ["a", 0, "0044-03-15T00:00:00+00:00 BC", 7]])
-    _, params = f.begin()
-    assert json.loads(str(params["lanes"])) == [["a", 0, None, 7]]
-    token, _ = f.begin()
+    _, _, params = f.begin()
+    assert json.loads(params) == [["a", 0, None, 7]]
+    token, _, _ = f.begin()
     f.settle(token, [["a", 0, "infinity", 9]])
     assert _floor(f, "a", 0)[0] == TOP[0]
 

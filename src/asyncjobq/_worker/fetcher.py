@@ -359,21 +359,22 @@ class Fetcher:
 
     def _choose(self, pick: Callable[[WorkerStatements], tuple[
                     tuple[Statement, Statement], tuple[Statement, Statement],
-                    tuple[Statement, Statement]]],
+                    tuple[Statement, Statement], tuple[Statement, Statement]]],
                 limit: int, plain_outcomes: bool = False,
                 ) -> tuple[Statement, dict[str, object], int | None, int | None]:
-        """The claim to send: `pick` gives the (plain, limited, from floors) statements, of
-        (one queue, several queues) each, of a statement set. Its statement, parameters,
-        floors' token (None unless it claims from floors) and the generation it claims
-        from (None: every partition, as limited claims do)."""
+        """The claim to send: `pick` gives the (plain, limited, from floors, from floors
+        reading the next floors) statements, of (one queue, several queues) each, of a
+        statement set. Its statement, parameters, floors' token (None unless it claims from
+        floors) and the generation it claims from (None: every partition, as limited claims
+        do)."""
         params = self._claim_params(limit)
         which = 0 if self.single_queue else 1
         gen = self.gen if self._limits is None else None
-        plain, limited, floored = pick(self._db.sql_of(gen, plain_outcomes))
+        plain, limited, floored, peeking = pick(self._db.sql_of(gen, plain_outcomes))
         if self.floors.ready():  # never with limits (listening())
-            token, lanes = self.floors.begin()
-            params.update(lanes)
-            return floored[which], params, token, gen
+            token, peek, lanes = self.floors.begin()
+            params["lanes"] = lanes
+            return (peeking if peek else floored)[which], params, token, gen
         return (plain if self._limits is None else limited)[which], params, None, gen
 
     async def claim(self, limit: int) -> list[Job]:
@@ -384,7 +385,9 @@ class Fetcher:
             query, params, token, gen = self._choose(lambda st: (
                 (st.job_claim_one_queue, st.job_claim_many_queues),
                 (st.job_claim_one_queue_limited, st.job_claim_many_queues_limited),
-                (st.job_claim_one_queue_from_floors, st.job_claim_many_queues_from_floors)),
+                (st.job_claim_one_queue_from_floors, st.job_claim_many_queues_from_floors),
+                (st.job_claim_one_queue_from_floors_peek,
+                 st.job_claim_many_queues_from_floors_peek)),
                 limit)
             try:
                 cur = await conn.execute(query, params)
@@ -396,7 +399,7 @@ class Fetcher:
         return self._jobs(rows, token, gen)
 
     async def _discover(self, conn: psycopg.AsyncConnection[Any], queues: list[str]) -> None:
-        token, _ = self.floors.begin()
+        token, _, _ = self.floors.begin()
         try:
             cur = await conn.execute(self._db.sql_of(self.gen).lanes_discover,
                                      {"queues": queues})
@@ -432,7 +435,9 @@ class Fetcher:
             (st.job_set_outcome_if_running_many_then_claim_one_queue_limited,
              st.job_set_outcome_if_running_many_then_claim_many_queues_limited),
             (st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors,
-             st.job_set_outcome_if_running_many_then_claim_many_queues_from_floors)),
+             st.job_set_outcome_if_running_many_then_claim_many_queues_from_floors),
+            (st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors_peek,
+             st.job_set_outcome_if_running_many_then_claim_many_queues_from_floors_peek)),
             limit, plain)
         return FoldedClaim(query, params, limit, token, claim_gen)
 

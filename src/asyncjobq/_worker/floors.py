@@ -83,18 +83,17 @@ class Floors:
         """The lane's floor; None when the lane is not known."""
         return self._lanes.get(queue, {}).get(priority)
 
-    def begin(self) -> tuple[int, dict[str, object]]:
-        """A claim is about to be sent: its token and its lane parameters (priority order)."""
+    def begin(self) -> tuple[int, bool, str]:
+        """A claim is about to be sent: its token, whether it reads the next floors (the
+        `_peek` statements), and its `lanes` parameter (priority order)."""
         token = next(self._serial)
         self._in_flight[token] = self._last
         lanes = sorted(((q, p, f) for q, ps in self._lanes.items() for p, f in ps.items()),
                        key=lambda x: -x[1])
-        return token, {
-            "peek": token % PEEK_EVERY == 0,
-            # A floor at the bottom goes as null, which the claim reads as -infinity.
-            "lanes": json.dumps([[q, p, None if f[0] <= BOTTOM[0] else f[0].isoformat(), f[1]]
-                                 for q, p, f in lanes], separators=(",", ":")),
-        }
+        # A floor at the bottom goes as null, which the claim reads as -infinity.
+        return token, token % PEEK_EVERY == 0, json.dumps(
+            [[q, p, None if f[0] <= BOTTOM[0] else f[0].isoformat(), f[1]]
+             for q, p, f in lanes], separators=(",", ":"))
 
     def abandon(self, token: int) -> None:
         """The claim failed: what it would have told is unknown, the floors stay as they are."""

@@ -197,9 +197,11 @@ class WorkerStatements(Role):
                 " ORDER BY n.priority DESC, n.run_at, n.id LIMIT %(limit)s")
 
     # Each lane's first queued row at or past its floor that this statement does not claim
-    # (the statement's snapshot still shows those queued), due or not: NULL when none. Read
-    # only when %(peek)s: the worker asks every few claims (floors.py, PEEK_EVERY); a floor
-    # left where it was is only lower than it could be.
+    # (the statement's snapshot still shows those queued), due or not: NULL when none. Only
+    # the `_peek` statements read it, which the worker sends one claim in a few (floors.py,
+    # PEEK_EVERY); a floor left where it was is only lower than it could be. The others leave
+    # the CTE out rather than skip it on a parameter: a generic plan still sets up every node
+    # of a skipped one, 7 us a job of the flush's server time (measured in one backend).
     _PEEK = (
         "peek AS (SELECT l.queue, l.priority, f.run_at, f.id FROM lanes l LEFT JOIN LATERAL ("
         " SELECT j.run_at, j.id FROM {s}.{j} j"
@@ -213,22 +215,32 @@ class WorkerStatements(Role):
     _FLOORS_ROW = (
         "SELECT NULL::bigint, '" + FLOORS_MARKER + "'::text, NULL::text,"
         " (SELECT coalesce(jsonb_agg(jsonb_build_array(queue, priority, run_at, id)), '[]')"
-        "  FROM peek WHERE %(peek)s), NULL::int, NULL::int, NULL::int, NULL::timestamptz,"
+        "  FROM peek), NULL::int, NULL::int, NULL::int, NULL::timestamptz,"
         " NULL::timestamptz, NULL::jsonb, NULL::int")
 
-    def _job_claim_from_floors(self, one_queue: bool) -> Statement:
-        return self._compose(
-            "WITH " + self._LANES + ", claimed AS ("
-            + self._job_claim_update(self._next_due_from_floors(one_queue)) + "), "
-            + self._PEEK + " SELECT {c} FROM claimed UNION ALL " + self._FLOORS_ROW)
+    def _job_claim_from_floors(self, one_queue: bool, peek: bool) -> Statement:
+        claim = ("WITH " + self._LANES + ", claimed AS ("
+                 + self._job_claim_update(self._next_due_from_floors(one_queue)) + ")")
+        if not peek:
+            return self._compose(claim + " SELECT {c} FROM claimed")
+        return self._compose(claim + ", " + self._PEEK + " SELECT {c} FROM claimed"
+                             " UNION ALL " + self._FLOORS_ROW)
 
     @cached_property
     def job_claim_one_queue_from_floors(self) -> Statement:
-        return self._job_claim_from_floors(one_queue=True)
+        return self._job_claim_from_floors(one_queue=True, peek=False)
 
     @cached_property
     def job_claim_many_queues_from_floors(self) -> Statement:
-        return self._job_claim_from_floors(one_queue=False)
+        return self._job_claim_from_floors(one_queue=False, peek=False)
+
+    @cached_property
+    def job_claim_one_queue_from_floors_peek(self) -> Statement:
+        return self._job_claim_from_floors(one_queue=True, peek=True)
+
+    @cached_property
+    def job_claim_many_queues_from_floors_peek(self) -> Statement:
+        return self._job_claim_from_floors(one_queue=False, peek=True)
 
     @cached_property
     def generation_current(self) -> Statement:
@@ -491,27 +503,38 @@ class WorkerStatements(Role):
             " FROM (SELECT id FROM archived UNION ALL SELECT id FROM updated"
             "  UNION ALL SELECT NULL FROM requeued WHERE n < 0) a")
 
-    def _job_set_outcome_then_claim_from_floors(self, one_queue: bool) -> Statement:
-        # As above, the claim from floors; its floors marker row comes with NULL first.
+    def _job_set_outcome_then_claim_from_floors(self, one_queue: bool,
+                                                peek: bool) -> Statement:
+        # As above, the claim from floors; its floors marker row (peek) comes with NULL first.
         nulls = ", NULL" * CLAIM_COLUMNS.count(",")
         return self._compose(
             "WITH " + self._OUTCOME_CTES + ", " + self._LANES
             + ", claimed AS (" + self._job_claim_update(self._next_due_from_floors(one_queue))
-            + "), " + self._PEEK +
+            + ")" + (", " + self._PEEK if peek else "") +
             " SELECT true, {c} FROM claimed"
-            " UNION ALL SELECT NULL, m.* FROM (" + self._FLOORS_ROW + ") m"
-            f" UNION ALL SELECT false, id{nulls} FROM archived"
+            + (" UNION ALL SELECT NULL, m.* FROM (" + self._FLOORS_ROW + ") m" if peek else "")
+            + f" UNION ALL SELECT false, id{nulls} FROM archived"
             f" UNION ALL SELECT false, id{nulls} FROM updated"
             + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_one_queue_from_floors(self) -> Statement:
-        return self._job_set_outcome_then_claim_from_floors(one_queue=True)
+        return self._job_set_outcome_then_claim_from_floors(one_queue=True, peek=False)
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_many_queues_from_floors(
             self) -> Statement:
-        return self._job_set_outcome_then_claim_from_floors(one_queue=False)
+        return self._job_set_outcome_then_claim_from_floors(one_queue=False, peek=False)
+
+    @cached_property
+    def job_set_outcome_if_running_many_then_claim_one_queue_from_floors_peek(
+            self) -> Statement:
+        return self._job_set_outcome_then_claim_from_floors(one_queue=True, peek=True)
+
+    @cached_property
+    def job_set_outcome_if_running_many_then_claim_many_queues_from_floors_peek(
+            self) -> Statement:
+        return self._job_set_outcome_then_claim_from_floors(one_queue=False, peek=True)
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_one_queue(self) -> Statement:
