@@ -476,7 +476,8 @@ async def test_a_worker_sends_only_the_limits_of_its_queues_tasks(queue: Queue) 
         st = queue.database.sql_of(fetcher.gen)
         assert folded.query in (
             st.job_set_outcome_if_running_many_then_claim_one_queue,
-            st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors)
+            st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors,
+            st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors_peek)
         assert "limits" not in folded.params
         await plain.enqueue({})
         await wait_for(lambda: ran == ["plain"], 10, what="the plain job")

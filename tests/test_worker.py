@@ -299,6 +299,43 @@ async def test_stale_worker_completion_is_refused_by_fencing(queue: Queue) -> No
     assert b.refused == 0 and await status_of(queue, job_id) == "done"
 
 
+async def test_the_fetcher_leaves_a_claim_to_a_flush_about_to_be_written(queue: Queue) -> None:
+    """While claims come back full, the slots that finished handlers free are claimed by the
+    flush of their outcomes once it is due, in its one statement: the fetcher waits for it.
+    Not while every lane is busy (one on a lock, or backing off, may not flush for seconds),
+    not after a fold declined (outcomes of another generation), nor after a lost claim."""
+    fetcher = Fetcher(queue.database, "w", ["default"], batch_size=2, concurrency=4,
+                      poll_interval=1, free_slots=lambda: 4, dispatch=lambda _: None)
+    completer = Completer(queue.database, "w", max_batch=2, fetcher=fetcher,
+                          flush_interval=60)
+    fetcher._folding = completer.folds_soon
+    fetcher.gen = 0
+    fetcher.found_less = False
+    completer.add(Outcome(1, 1, "done"))
+    completer._idle_lanes = 1
+    assert not fetcher._defer()  # one outcome of two, its flush_interval not passed
+    completer.add(Outcome(2, 1, "done"))
+    assert fetcher._defer()  # a full batch, a lane free to take it
+    completer._idle_lanes = 0
+    assert not fetcher._defer()  # every lane busy: claim now
+    completer._idle_lanes = 1
+    fetcher.found_less = True
+    assert not fetcher._defer()  # the queue ran short: claims are not coming back full
+    fetcher.found_less = False
+    assert fetcher.fold(gen=1) is None  # outcomes of the other generation: no claim folded
+    assert not fetcher._defer()
+    folded = fetcher.fold(gen=0)
+    assert folded is not None and fetcher._defer()
+    fetcher.folded_failed(folded)  # its reply lost: released first, by the fetcher
+    assert not fetcher._defer()
+    # Due by time: the first outcome waited its flush_interval.
+    fetcher._suspect = False
+    late = Completer(queue.database, "w", max_batch=10, flush_interval=0.0)
+    late.add(Outcome(3, 1, "done"))
+    late._idle_lanes = 1
+    assert late.folds_soon()
+
+
 async def test_a_flush_claims_the_next_jobs_in_the_same_statement(queue: Queue) -> None:
     first = await queue.enqueue("t", {})
     rest = await queue.enqueue_many("t", [{} for _ in range(5)])

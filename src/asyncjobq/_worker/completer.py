@@ -88,6 +88,7 @@ class Completer:
         self._errors_seen: set[str] = set()
         # While run() loops, each lane flushes through a connection of its own (see ownconn).
         self._lanes = [OwnConnection(self._db, ROLE) for _ in range(max(1, lanes))]
+        self._idle_lanes = 0  # lanes waiting for a batch (_next_batch)
         # Tasks whose outcomes are written at once, not after flush_interval: a key_limit
         # task's next job of the key can only start once this one's outcome is written.
         self._urgent = urgent
@@ -108,8 +109,10 @@ class Completer:
 
     def folds_soon(self) -> bool:
         """A flush is due now (a full batch waits, or the first outcome waited its
-        flush_interval): a lane's flush of it is about to fold a claim (Fetcher.fold)."""
-        return bool(self._buffer) and (
+        flush_interval) and a lane is free to take it: that flush is about to fold a claim
+        (Fetcher.fold). Not while every lane is busy: one waiting on a lock, or backing off
+        from a failed write, may not take it for seconds."""
+        return bool(self._buffer) and self._idle_lanes > 0 and (
             len(self._buffer) >= self._max_batch
             or self._first_at + self._flush_interval <= time.monotonic())
 
@@ -181,7 +184,11 @@ class Completer:
         async with own:
             retry = RetryPolicy(log, "writing outcomes", first=0.05, seen=self._errors_seen)
             while True:
-                batch = await self._next_batch()
+                self._idle_lanes += 1
+                try:
+                    batch = await self._next_batch()
+                finally:
+                    self._idle_lanes -= 1
                 try:
                     await self._write(own, batch, fold=True)
                     retry.succeeded()

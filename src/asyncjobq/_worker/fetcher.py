@@ -1,9 +1,10 @@
 """Claims batches of due jobs, sized to the free handler slots, and waits well when idle.
 
-After a full batch it claims again at once; after a short one it sleeps until a notification,
-the earliest known due run_at, or poll_interval (the safety net for lost notifications).
-While jobs flow, most claims ride on the completer's flushes instead (fold()): the slots they
-will fill are reserved until the flush returns, so the two never claim past concurrency.
+After a full batch it claims again at once, unless a flush about to be written will claim for
+the free slots (_defer); after a short one it sleeps until a notification, the earliest known
+due run_at, or poll_interval (the safety net for lost notifications). While jobs flow, most
+claims ride on the completer's flushes instead (fold()): the slots they will fill are reserved
+until the flush returns, so the two never claim past concurrency.
 """
 
 from __future__ import annotations
@@ -130,8 +131,10 @@ class Fetcher:
         folding: Callable[[], bool] = lambda: False,
     ) -> None:
         self._db = db
-        # Whether outcomes wait whose flush will fold a claim (Completer.folds_soon).
+        # Whether outcomes wait whose flush will fold a claim (Completer.folds_soon), and
+        # whether the last fold() declined for their generation.
         self._folding = folding
+        self._fold_declined = False
         self._worker_id = worker_id
         self._control = control  # lent to each Job (cancel_requested, set_progress)
         # The last claim found fewer jobs than it asked for: nothing more is due now, as far
@@ -422,7 +425,11 @@ class Fetcher:
         if self.stopping or self._suspect or self._narrow:
             return None
         if gen != (self.gen if self._limits is None else None):
+            # Outcomes of another generation's jobs (a switch while they ran): until a flush
+            # folds again, the fetcher claims on its own (_defer).
+            self._fold_declined = True
             return None
+        self._fold_declined = False
         limit = min(self._batch_size, self._free())
         if limit <= 0:
             return None
@@ -481,7 +488,7 @@ class Fetcher:
         with them, where a claim of its own would cost another statement and commit for a
         part of a batch."""
         return (not self.found_less and not self._suspect and not self._narrow
-                and self._folding())
+                and not self._fold_declined and self._folding())
 
     async def _claim_reserving(self, limit: int) -> list[Job]:
         # The slots stay reserved while the claim is in flight, as a folded claim's do: a flush

@@ -8,9 +8,10 @@ floor reads only what was claimed since the last claim.
 
 The floor is a (run_at, id) such that no row visible and queued in the lane lies below it:
 
-- Every claim reads, in its own snapshot, each lane's first queued row at or past its floor
-  (sql/claim.py, `peek`; a plain read, so a row another claim holds but has not committed
-  still counts), and that is the lane's next floor. None: the floor is +infinity.
+- One claim in PEEK_EVERY reads, in its own snapshot, each lane's first queued row at or past
+  its floor (sql/claim.py, the `_peek` statements; a plain read, so a row another claim holds
+  but has not committed still counts), and that is the lane's next floor. None: the floor is
+  +infinity. The other claims leave the floors as they are.
 - A row can become queued below a floor only by a statement committed after that snapshot,
   and every such statement notifies its queue with each lane's earliest run_at (jobs_notify
   for inserts, notify_lanes for requeues): the notification lowers the floor, to 1 ms under

@@ -165,8 +165,8 @@ class WorkerStatements(Role):
     # Under a pinned xmin horizon nothing can remove the index entries that claimed rows leave
     # behind in jobs_dequeue_idx, and a scan from the start of a (queue, priority) lane reads
     # every one of them. The worker keeps, per lane, a floor: a (run_at, id) below which its
-    # last claim saw no queued row (_worker/floors.py), and these claims start there. Each
-    # also reads each lane's first queued row at or past its floor (`peek`, a plain read: a
+    # last claim saw no queued row (_worker/floors.py), and these claims start there. One in
+    # a few also reads each lane's first queued row at or past its floor (`peek`, a plain read: a
     # row another claim has locked but not committed is still queued to it, and counts), the
     # lane's next floor. A row that becomes queued below a floor afterwards is written by a
     # statement that notifies the queue with its lanes' earliest run_at (jobs_notify and
