@@ -413,3 +413,37 @@ def test_cli_status_counts_history_from_the_counts(pg_dsn: str, schema: str) -> 
     r = run_cli("status", "--json", "--schema", schema, dsn=pg_dsn)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["queues"] == expected
+
+
+async def test_a_backend_counts_into_a_shard_that_moves_on_every_second(queue: Queue) -> None:
+    """Under a pinned xmin horizon every old version of a counts row stays, and the upsert of
+    its key reads them all: the shard a backend writes moves on each second, so that no row
+    takes all of one backend's statements; two backends keep their distance (no new lock
+    waits between them)."""
+    from asyncjobq._db.sql.common import HISTORY_SHARD
+
+    async with queue.connection() as a, queue.connection() as b:
+        async def shards() -> tuple[int, int, int]:
+            # One statement per connection, each in its own transaction (its own now()).
+            x = await (await a.execute(
+                f"SELECT {HISTORY_SHARD}, pg_backend_pid(), extract(epoch FROM now())::bigint"
+            )).fetchone()
+            y = await (await b.execute(f"SELECT {HISTORY_SHARD}, pg_backend_pid()")).fetchone()
+            assert x is not None and y is not None
+            await a.commit()
+            await b.commit()
+            assert 1 <= x[0] <= 64
+            return x[0], (y[0] - x[0]) % 64, x[2]
+
+        first, apart, at = await shards()
+        seen: list[tuple[int, int, int]] = []
+
+        async def moved() -> bool:
+            seen.append(await shards())
+            return seen[-1][2] != at
+
+        await wait_for(moved, 5, what="a statement a second later")
+        later, apart_later, at_later = seen[-1]
+        assert later == 1 + (first - 1 + at_later - at) % 64
+        # Mostly the same distance: b's statement may have fallen in the next second.
+        assert apart_later in (apart, (apart + 1) % 64, (apart - 1) % 64)

@@ -52,14 +52,23 @@ def notify_waited(rows: str) -> str:
             " WHERE w.waited)")
 
 
+# The shard a statement counts into: its backend's, moved on by one every second. Two
+# backends stay apart as before (their distance is kept), and each row is written by every
+# backend in turn: a row updated in place by one backend's every statement kept each old
+# version under a pinned xmin horizon, and the upsert's probe of its key read them all
+# (311 to 1,117 us after 50,000 versions; a shard a second stays flat), which is what slowed
+# the claim of a worker pinned for 30 minutes (benchmarks/results/PINNED.md).
+HISTORY_SHARD = "1 + mod(pg_backend_pid() + extract(epoch FROM now())::bigint, 64)"
+
+
 def count_history(rows: str) -> str:
     """The body of a data-modifying CTE that adds the rows of `rows` (queue and status columns:
-    the rows this statement inserted into jobs_history) to history_counts, in this backend's
-    shard and in key order, as the trigger did before 0010_history_counted.sql (two writers
-    lock their rows in one order: no deadlock). Every statement that inserts into
+    the rows this statement inserted into jobs_history) to history_counts, in one shard
+    (HISTORY_SHARD) and in key order, as the trigger did before 0010_history_counted.sql (two
+    writers lock their rows in one order: no deadlock). Every statement that inserts into
     jobs_history includes it."""
     return ("INSERT INTO {s}.history_counts AS c (queue, status, shard, n)"
-            " SELECT queue, status, 1 + mod(pg_backend_pid(), 64), count(*)"
+            f" SELECT queue, status, {HISTORY_SHARD}, count(*)"
             f" FROM {rows} GROUP BY queue, status ORDER BY queue, status"
             " ON CONFLICT (queue, status, shard) DO UPDATE SET n = c.n + excluded.n")
 
