@@ -1,5 +1,5 @@
-"""The cost of flow control for tasks without limits (issue 21): the drain at default
-settings, in the same run, alternating, medians of 3:
+"""A/B of the drain (or the enqueue) of this tree against older commits, in the same run,
+alternating, medians of 3; written for the cost of flow control (issue 21), its cells:
 
 - before: the commit before flow control (a git worktree of --base): its worker, its schema;
 - after: this tree, a worker whose tasks have no limits (it runs the claim statements it ran
@@ -10,13 +10,18 @@ settings, in the same run, alternating, medians of 3:
   task runs on another queue, `exports`: it must claim as a worker without limits does;
 - after, handler returns a result: this tree, the handler returns a small dict, stored as the
   job's result (docs/guides/results.md): the cost of results against a handler returning None.
+- article loop: ceiling.py's two statements through pgbench over the same number of jobs
+  (`loop`): every cell's server CPU per job is also given against it.
+
+`--enqueue one:50` (MODE:COROUTINES, benchmarks/enqueue.py) enqueues --jobs jobs instead.
 
 Both trees run this tree's benchmarks/ (copied over the base worktree's), so that only src/
 differs. Server CPU per job is the PostgreSQL processes' CPU from release to drained
 (common.server_cpu_s): nothing else may use the server meanwhile.
 
     ASYNCJOBQ_DSN=postgresql://... .venv/bin/python -m benchmarks.limits_ab
-        [--base d003a27[,2dcb233]] [--jobs 50000] [--rounds 3] [--concurrency 100 --batch 50]
+        [--base d003a27[,2dcb233]] [--cells before,loop,after] [--jobs 50000] [--rounds 3]
+        [--concurrency 100 --batch 50] [--sleep 0.005] [--enqueue one:50]
 
 Each cell runs in a process of its tree (the worktree is made under /tmp, and removed).
 Prints one Markdown table.
@@ -53,11 +58,28 @@ CELL = (
 )
 
 
+# Enqueue instead of a drain (--enqueue MODE:COROUTINES): benchmarks/enqueue.py's cell.
+ENQUEUE_CELL = (
+    "import json, sys\n"
+    "from benchmarks.common import start_server\n"
+    "from benchmarks.enqueue import asyncjobq_cell\n"
+    "server = start_server()\n"
+    "try:\n"
+    "    r = asyncjobq_cell(server, sys.argv[2], int(sys.argv[1]), int(sys.argv[3]))\n"
+    "finally:\n"
+    "    server.stop()\n"
+    "print('RESULT ' + json.dumps({'jobs_per_s': r['rows_per_s'], 'done': int(sys.argv[1]),\n"
+    "                              'worker_cpu_s': float('nan'), 'server_cpu_s': None}))\n"
+)
+
+
 def run_cell(tree: Path, jobs: int, extra: list[str], concurrency: int = 0,
-             batch: int = 0, sleep: float = 0.0) -> dict[str, Any]:
+             batch: int = 0, sleep: float = 0.0, enqueue: str = "") -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree}"}
-    out = subprocess.run([sys.executable, "-c", CELL, str(jobs), str(concurrency), str(batch),
-                          str(sleep), *extra], cwd=tree, env=env,
+    argv = ([sys.executable, "-c", ENQUEUE_CELL, str(jobs), *enqueue.split(":")] if enqueue
+            else [sys.executable, "-c", CELL, str(jobs), str(concurrency), str(batch),
+                  str(sleep), *extra])
+    out = subprocess.run(argv, cwd=tree, env=env,
                          capture_output=True, text=True, timeout=1800)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -105,6 +127,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=0, help="0: the worker's default")
     p.add_argument("--sleep", type=float, default=0.0,
                    help="seconds each handler awaits (io_bound.py: 0.005)")
+    p.add_argument("--enqueue", default="",
+                   help="MODE:COROUTINES (one:1, one:50, many:1): enqueue --jobs jobs with "
+                        "benchmarks/enqueue.py instead of draining them")
     p.add_argument("--loop-clients", type=int, default=2,
                    help="pgbench clients of the `loop` cell (the article's loop)")
     p.add_argument("--jobs", type=int, default=50_000)
@@ -147,7 +172,7 @@ def main() -> None:
                 log(f"limits A/B round {r + 1}/{args.rounds}: {name}")
                 res = (run_loop(args.jobs, loop_batch, args.loop_clients) if name == loop
                        else run_cell(tree, args.jobs, extra, args.concurrency, args.batch,
-                                args.sleep))
+                                args.sleep, args.enqueue))
                 log(f"    {res['jobs_per_s']:,.0f} jobs/s")
                 results[name].append(res)
     finally:
