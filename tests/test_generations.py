@@ -13,7 +13,7 @@ import pytest
 from conftest import execute, fetchval, running, wait_for
 from psycopg import sql
 
-from asyncjobq import Job, Queue, Worker
+from asyncjobq import Job, Queue, SchemaNotInstalledError, Worker
 
 
 async def _gen(q: Queue) -> int:
@@ -65,6 +65,38 @@ async def test_a_switch_empties_the_other_partition_and_keeps_every_live_row(
     assert {i: g for i, (g, s) in where.items() if s == "queued"} == {i: 0 for i in ids[2:]}
     # Ids carry on from the same sequence.
     assert await queue.enqueue("t", {}) > max(ids)
+
+
+async def test_every_enqueue_path_writes_the_current_generation(queue: Queue) -> None:
+    """The library's inserts name `gen` themselves (_db/sql/enqueue.py), not by the default:
+    after each switch, each of its statements writes into the partition made current."""
+    for want in (1, 0):
+        assert await _rotate(queue) >= 0 and await _gen(queue) == want
+        ids = [await queue.enqueue("t", {}),  # the inserter's rows
+               await queue.enqueue("t", {}, dedup_key=f"k{want}"),  # one VALUES row
+               await queue.enqueue("t", {}, key="a"),
+               *await queue.enqueue_many("t", [{}, {}]),
+               *await queue.enqueue_many("t", [{}], keys=["b"])]
+        async with queue.connection() as conn:  # in the caller's transaction
+            ids.append(await queue.enqueue("t", {}, conn=conn))
+        where = await _where(queue)
+        assert {i: where[i][0] for i in ids} == {i: want for i in ids}
+
+
+async def test_an_enqueue_into_a_schema_before_generations_says_to_install(
+        queue: Queue) -> None:
+    older = r"older than this asyncjobq.*install"
+    await execute(queue, "ALTER TABLE {s}.generation RENAME TO generation_hidden")
+    try:
+        with pytest.raises(SchemaNotInstalledError, match=older):
+            await queue.enqueue("t", {}, dedup_key="k")
+        with pytest.raises(SchemaNotInstalledError, match=older):
+            await queue.enqueue_many("t", [{}])
+        with pytest.raises(SchemaNotInstalledError, match=older):
+            await queue.enqueue("t", {})  # through the inserter
+    finally:
+        await execute(queue, "ALTER TABLE {s}.generation_hidden RENAME TO generation")
+    assert await queue.enqueue("t", {}) > 0
 
 
 async def test_a_dedup_key_stays_held_across_switches(queue: Queue) -> None:

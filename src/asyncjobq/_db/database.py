@@ -400,9 +400,11 @@ class Database:
             ) from None
         except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName,
                 psycopg.errors.UndefinedObject) as e:
+            # A table of a later migration (an enqueue names `generation`, version 13) is
+            # missing from an older schema as well as from none.
             raise SchemaNotInstalledError(
-                f"schema {self.schema} is not installed ({reason(e)}): run "
-                "`python -m asyncjobq install` (or `await queue.install()`)"
+                f"schema {self.schema} is not installed, or older than this asyncjobq "
+                f"({reason(e)}): run `python -m asyncjobq install` (or `await queue.install()`)"
             ) from None
 
 

@@ -6,12 +6,18 @@ from functools import cached_property
 
 from .common import Role, Statement, _q
 
+# Every insert names the generation its rows go to (docs/how-it-works/storage.md): the
+# column's default, current_gen(), is a SQL function that PostgreSQL runs (and plans) for each
+# row, about 40 µs of server CPU in a one-row enqueue of 270; an uncorrelated subquery is one
+# InitPlan a statement. The same snapshot reads it either way. Producers thus need version 13.
+GEN = "(SELECT gen FROM {s}.generation)"
+
 
 class EnqueueStatements(Role):
 
     # Each insert has a `_traced` twin that also writes trace_context (asyncjobq.tracing): the
-    # untraced statements, which producers without tracing run, stay as they were (and run on
-    # a schema not yet upgraded to version 5).
+    # untraced statements, which producers without tracing run, name no more columns than
+    # they need.
 
     @cached_property
     def job_insert(self) -> Statement:
@@ -35,11 +41,11 @@ class EnqueueStatements(Role):
         return _q(
             "WITH ins AS ("
             " INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts,"
-            "   dedup_key" + (", trace_context" if traced else "")
+            "   dedup_key, gen" + (", trace_context" if traced else "")
             + (", key" if keyed else "") + ")"
             " VALUES (%(task)s, %(payload)s, %(queue)s, %(priority)s,"
             "   coalesce(%(run_at)s, now()) + make_interval(secs => %(delay)s),"
-            "   %(max_attempts)s, %(dedup_key)s"
+            "   %(max_attempts)s, %(dedup_key)s, " + GEN
             + (", %(trace)s::jsonb" if traced else "")
             + (", %(key)s" if keyed else "") + ")"
             " RETURNING id)"
@@ -65,11 +71,11 @@ class EnqueueStatements(Role):
         # max_attempts(, trace context)] rows; ids come back in row order. An untraced row in
         # a traced batch has no 8th element: r->7 is NULL.
         return _q(
-            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts"
+            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts, gen"
             + (", trace_context" if traced else "") + ")"
             " SELECT r->>0, r->1, r->>2, (r->>3)::int,"
             "   coalesce((r->>4)::timestamptz, now()) + make_interval(secs => (r->>5)::float8),"
-            "   (r->>6)::int" + (", r->7" if traced else "") +
+            "   (r->>6)::int, " + GEN + (", r->7" if traced else "") +
             " FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(r, n) ORDER BY n"
             " RETURNING id",
             self.schema,
@@ -89,9 +95,9 @@ class EnqueueStatements(Role):
         # key), zipped by ROWS FROM. The trace context is NULL when untraced.
         return _q(
             "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts,"
-            "   trace_context, key)"
+            "   trace_context, key, gen)"
             " SELECT %s, p, %s, %s, coalesce(%s, now()) + make_interval(secs => %s), %s,"
-            "   %s::jsonb, k"
+            "   %s::jsonb, k, " + GEN +
             " FROM ROWS FROM (jsonb_array_elements(%s::jsonb),"
             "   jsonb_array_elements_text(%s::jsonb))"
             "   WITH ORDINALITY AS t(p, k, n) ORDER BY n"
@@ -104,9 +110,9 @@ class EnqueueStatements(Role):
         # document server-side costs far less than a jsonb[] of many (measured ~2x). The
         # traced twin takes the batch's one trace context before the array.
         return _q(
-            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts"
+            "INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts, gen"
             + (", trace_context" if traced else "") + ")"
-            " SELECT %s, p, %s, %s, coalesce(%s, now()) + make_interval(secs => %s), %s"
+            " SELECT %s, p, %s, %s, coalesce(%s, now()) + make_interval(secs => %s), %s, " + GEN
             + (", %s::jsonb" if traced else "") +
             " FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(p, n) ORDER BY n"
             " RETURNING id",
