@@ -77,7 +77,7 @@ async def test_every_enqueue_path_writes_the_current_generation(queue: Queue) ->
                await queue.enqueue("t", {}, key="a"),
                *await queue.enqueue_many("t", [{}, {}]),
                *await queue.enqueue_many("t", [{}], keys=["b"])]
-        async with queue.connection() as conn:  # in the caller's transaction
+        async with queue.connection() as conn, conn.transaction():  # the caller's
             ids.append(await queue.enqueue("t", {}, conn=conn))
         where = await _where(queue)
         assert {i: where[i][0] for i in ids} == {i: want for i in ids}

@@ -320,7 +320,12 @@ async def test_folds_beside_writers_stay_exact_and_never_deadlock(queue: Queue) 
 async def test_upgrade_backfills_an_existing_history(pg_dsn: str, schema: str) -> None:
     async with old_schema(pg_dsn, schema) as q:
         await execute(q, fill_history(5_000, count=False))
-        live = await q.enqueue_many("t", [{}] * 4, queue="b")
+        async with q.connection() as conn:  # by hand: an enqueue now needs version 13
+            cur = await conn.execute(sql.SQL(
+                "INSERT INTO {s}.jobs (task, payload, queue) SELECT 't', '{{}}', 'b'"
+                " FROM generate_series(1, 4) ORDER BY 1 RETURNING id").format(
+                    s=sql.Identifier(schema)))
+            live = sorted(int(r[0]) for r in await cur.fetchall())
         async with q.connection() as conn:  # the cancel of version 2: no trigger then
             await conn.execute(sql.SQL(
                 "WITH cancelled AS ("
