@@ -13,6 +13,10 @@ partition every 100. The figure is the backend's own CPU (/proc/<pid>/schedstat)
 worker process, no other statement, and the machine's drift shared by every variant. `base`
 twice (`base`, `base-again`) shows the noise (within 0.5 µs here).
 
+`base` is the flush for done outcomes and failures (PLAIN_OUTCOMES, `_db/sql/claim.py`), which
+the other variants change; `done-only` is the one a worker sends for a batch of done outcomes
+alone (DONE_OUTCOMES: no UPDATE of rows that stay, no notification of requeued ones).
+
 Needs $ASYNCJOBQ_DSN, a server on this machine (its backends' /proc).
 """
 
@@ -30,6 +34,7 @@ from typing import Any
 import psycopg
 
 from asyncjobq._db.sql import statements
+from asyncjobq._db.sql.claim import DONE_OUTCOMES, PLAIN_OUTCOMES
 from asyncjobq._worker.floors import PEEK_EVERY
 
 from .common import Server, drop_schema, enqueue_bulk, fresh_schema, install_schema, start_server
@@ -43,6 +48,7 @@ class Variant:
     name: str
     patch: str = ""  # SQL run after install ({s}: the schema)
     edit: Callable[[str], str] = lambda text: text  # a change to the statement's text
+    outcomes: int = PLAIN_OUTCOMES  # the flush's shape (_db/sql/claim.py)
 
 
 def _cut(start: str, end: str) -> Callable[[str], str]:
@@ -75,8 +81,7 @@ VARIANTS = {v.name: v for v in [
         "TRIGGER", "jobs_key_insert", "jobs_key_requeue", "jobs_key_delete", "jobs_key_end",
         "jobs_parent_ended_delete", "jobs_parent_ended_failed")),
     Variant("no-count", edit=_cut(" counted AS (", " updated AS (")),
-    Variant("no-paused-probe", edit=_cut(" AND NOT EXISTS (SELECT FROM",
-                                         "ORDER BY priority DESC LIMIT 1)")),
+    Variant("done-only", outcomes=DONE_OUTCOMES),
 ]}
 
 
@@ -98,7 +103,7 @@ class Cell:
         self.conn.execute(f"VACUUM ANALYZE {self.schema}.jobs")
         row = self.conn.execute(f"SELECT gen FROM {self.schema}.generation").fetchone()
         self.gen = int(row[0]) if row else 0
-        st = statements(self.schema, True, self.gen)
+        st = statements(self.schema, variant.outcomes, self.gen)
         self.floors = floors
         flush = (st.job_set_outcome_if_running_many_then_claim_one_queue_from_floors
                  if floors else st.job_set_outcome_if_running_many_then_claim_one_queue)

@@ -12,11 +12,13 @@ import anyio
 import psycopg
 import pytest
 from conftest import execute, fetchval, running, wait_for
+from psycopg import sql
 
 import asyncjobq
 from asyncjobq import Fail, Job, Queue, Retry, Worker
+from asyncjobq._db.sql.claim import ANY_OUTCOMES, DONE_OUTCOMES, PLAIN_OUTCOMES
 from asyncjobq._maintenance.reaper import Reaper
-from asyncjobq._worker.completer import Completer
+from asyncjobq._worker.completer import Completer, outcomes_of
 from asyncjobq._worker.fetcher import Fetcher
 from asyncjobq._worker.outcome import Outcome
 from asyncjobq.doctor import explain_claim
@@ -371,6 +373,48 @@ async def test_a_flush_claims_the_next_jobs_in_the_same_statement(queue: Queue) 
         tg.cancel_scope.cancel()
     assert len(dispatched) == 4 and await status_of(queue, rest[0]) == "done"
     assert await status_of(queue, rest[3]) == "queued"
+
+
+@pytest.mark.parametrize(("kinds", "shape"), [
+    (["done", "done"], DONE_OUTCOMES), (["done", "failed"], PLAIN_OUTCOMES),
+    (["done", "retry"], ANY_OUTCOMES), (["done", "result"], ANY_OUTCOMES)])
+async def test_each_shape_of_flush_writes_its_outcomes_and_counts_them(
+        queue: Queue, pg_dsn: str, kinds: list[str], shape: int) -> None:
+    """A flush is one of three statements by what its outcomes are (_db/sql/claim.py): the
+    one for done outcomes alone leaves out the update of rows that stay, and the
+    notification of those queued again."""
+    ids = await queue.enqueue_many("t", [{}, {}, {}])
+    listener = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
+    await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(queue.database.channel)))
+    held: list[Job] = []
+    fetcher = Fetcher(queue.database, "w", ["default"], batch_size=2, concurrency=4,
+                      poll_interval=1, free_slots=lambda: 4 - len(held), dispatch=held.append)
+    jobs = await fetcher.claim(2)
+    outcomes = [Outcome(j.id, j.attempt, "done" if k == "result" else k,
+                        result="42" if k == "result" else None,
+                        error="boom" if k in ("failed", "retry") else None)
+                for j, k in zip(jobs, kinds, strict=True)]
+    assert outcomes_of(outcomes) == shape
+    completer = Completer(queue.database, "w", max_batch=10, fetcher=fetcher)
+    for o in outcomes:
+        completer.add(o)
+    async with anyio.create_task_group() as tg:  # the flush folds a claim of the third job
+        tg.start_soon(completer.run)
+        await wait_for(lambda: completer.backlog == 0, what="the flush")
+        tg.cancel_scope.cancel()
+    assert completer.refused == 0 and [j.id for j in held] == [ids[2]]
+    want = {"done": "done", "failed": "failed", "retry": "queued", "result": "done"}
+    assert [await status_of(queue, j.id) for j in jobs] == [want[k] for k in kinds]
+    assert (await queue.get(jobs[1].id)).result == (  # type: ignore[union-attr]
+        42 if kinds[1] == "result" else None)
+    assert await status_of(queue, ids[2]) == "running"
+    done = sum(1 for k in kinds if k in ("done", "result"))
+    assert (await queue.stats())["default"]["done"] == done
+    heard = []  # the retried job's lane, announced by the flush
+    async for n in listener.notifies(timeout=0.5 if "retry" in kinds else 0.2):
+        heard.append(n.payload)
+    await listener.close()
+    assert bool(heard) == ("retry" in kinds), heard
 
 
 @pytest.mark.parametrize("queues", [["default"], ["default", "other"]])

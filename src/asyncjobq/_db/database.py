@@ -240,14 +240,10 @@ class Database:
         self._dsn_arg, self._dsn, self.schema, self._listen_dsn = binding
         self.sql = statements(self.schema)
 
-    @property
-    def sql_plain(self) -> Statements:
-        """The statements with the worker's plain flush (sql/claim.py, plain_outcomes)."""
-        return statements(self.schema, plain_outcomes=True)
-
-    def sql_of(self, gen: int | None, plain_outcomes: bool = False) -> Statements:
+    def sql_of(self, gen: int | None, plain_outcomes: int = 0) -> Statements:
         """The statements whose claims and completions name generation `gen`'s partition
-        (None: jobs, every partition); `plain_outcomes` as sql_plain."""
+        (None: jobs, every partition), with the worker's flush for `plain_outcomes`
+        (sql/claim.py: ANY_OUTCOMES, PLAIN_OUTCOMES, DONE_OUTCOMES)."""
         return statements(self.schema, plain_outcomes, gen)
 
     @property

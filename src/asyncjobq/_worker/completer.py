@@ -25,6 +25,7 @@ from .._checks import storable_text
 from .._db.database import Database
 from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, RetryPolicy
+from .._db.sql.claim import ANY_OUTCOMES, DONE_OUTCOMES, PLAIN_OUTCOMES
 from ..job import log_fields
 from .fetcher import Fetcher, FoldedClaim
 from .outcome import Outcome
@@ -49,6 +50,20 @@ def encode_outcomes(batch: list[Outcome]) -> str:
         json.dumps(r, separators=(",", ":"))[:-1] + "," + o.result + "]"
         if o.result is not None else json.dumps(r, separators=(",", ":"))
         for r, o in zip(rows, batch, strict=True)) + "]"
+
+
+def outcomes_of(batch: list[Outcome]) -> int:
+    """Which flush the batch needs (_db/sql/claim.py): done without a result, the common
+    case, needs no UPDATE of rows that stay; with failures too, no join with the outcomes."""
+    plain = DONE_OUTCOMES
+    for o in batch:
+        if o.result is not None:
+            return ANY_OUTCOMES
+        if o.kind != "done":
+            if o.kind != "failed":
+                return ANY_OUTCOMES
+            plain = PLAIN_OUTCOMES
+    return plain
 
 
 class Completer:
@@ -225,8 +240,7 @@ class Completer:
             "channel": self._db.channel,
             "done": self._db.done_channel,
         }
-        # Done without a result, or failed: the flush needs no join with its outcomes.
-        plain = all(o.result is None and (o.kind == "done" or o.kind == "failed") for o in batch)
+        plain = outcomes_of(batch)
         # The partition the batch's jobs were claimed from (0013_generations.sql); None when
         # they come from both, or are unknown: the statement names jobs, every partition.
         gens = {self._gen_of(o) for o in batch}
@@ -290,7 +304,7 @@ class Completer:
         return f.gen_of.get((o.job_id, o.attempt)) if f is not None else None
 
     async def _set_outcomes(self, conn: AsyncConnection[Any], params: dict[str, object],
-                            plain: bool = False, gen: int | None = None) -> set[int]:
+                            plain: int = ANY_OUTCOMES, gen: int | None = None) -> set[int]:
         st = self._db.sql_of(gen, plain)
         cur = await conn.execute(st.job_set_outcome_if_running_many, params)
         return {int(r[0]) for r in await cur.fetchall()}

@@ -363,7 +363,7 @@ class Fetcher:
     def _choose(self, pick: Callable[[WorkerStatements], tuple[
                     tuple[Statement, Statement], tuple[Statement, Statement],
                     tuple[Statement, Statement], tuple[Statement, Statement]]],
-                limit: int, plain_outcomes: bool = False,
+                limit: int, plain_outcomes: int = 0,
                 ) -> tuple[Statement, dict[str, object], int | None, int | None]:
         """The claim to send: `pick` gives the (plain, limited, from floors, from floors
         reading the next floors) statements, of (one queue, several queues) each, of a
@@ -414,13 +414,13 @@ class Fetcher:
 
     # --- claims folded into the completer's flushes --------------------------------------
 
-    def fold(self, plain: bool = False, gen: int | None = None) -> FoldedClaim | None:
+    def fold(self, plain: int = 0, gen: int | None = None) -> FoldedClaim | None:
         """A claim for the completer to add to its flush, its slots reserved until
         folded_claimed() or folded_failed(); None when nothing should be claimed now
         (stopping, or no free slot), or when the flush's outcomes are of jobs of another
         generation (`gen`) than the one this claim would read: one statement names one
-        partition. `plain`: the flush's outcomes are done without results, or failed
-        (sql/claim.py, plain_outcomes).
+        partition. `plain`: what the flush's outcomes are (sql/claim.py, PLAIN_OUTCOMES:
+        done without results, or failed; DONE_OUTCOMES: done without results).
         """
         if self.stopping or self._suspect or self._narrow:
             return None

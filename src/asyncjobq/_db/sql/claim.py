@@ -67,6 +67,11 @@ _CLAMPED = ("CASE WHEN {0} IS NOT NULL THEN least(greatest({0}, '0001-01-01 00:0
 # modify a row twice).
 _ARCHIVED = "kind IN ('done', 'cancelled') OR (kind IN ('retry', 'snooze') AND cancel)"
 
+# What a flush's outcomes are (Statements.plain_outcomes): any kind; done without a result or
+# failed (the history row needs no join with the outcomes); done without a result only (no
+# row stays in jobs: no UPDATE, no notification of requeued rows in the statement).
+ANY_OUTCOMES, PLAIN_OUTCOMES, DONE_OUTCOMES = 0, 1, 2
+
 
 class WorkerStatements(Role):
 
@@ -399,7 +404,9 @@ class WorkerStatements(Role):
     # Writing outcomes, one statement per flush for every outcome kind. Each row is fenced on
     # (status, locked_by, attempts): a worker presumed dead cannot overwrite a newer attempt.
     # `done` rows move to jobs_history; the rest are updated in place. The accepted ids come
-    # back from `archived` and `updated`; the caller logs the refused ones.
+    # back from `archived` and `updated`; the caller logs the refused ones. A flush of done
+    # outcomes alone has no `updated` (DONE_OUTCOMES): its UPDATE, whose executor set-up and
+    # row triggers every flush paid, would find no row.
     _OUTCOME_TEMPLATE = (
         # One JSON parameter, [[id, attempt, kind, delay, error], ...]: one encoder call in
         # the worker, where five arrays cost psycopg's per-element array dumping.
@@ -440,8 +447,12 @@ class WorkerStatements(Role):
         # Jobs made final that a Queue.wait looks for: their ids to <schema>_done.
         "  RETURNING j.*, CASE WHEN j.waited THEN pg_notify(%(done)s, j.id::text) END),"
         " archived AS ({archived}),"
-        " counted AS (" + count_history("archived") + "),"
-        " updated AS ("
+        " counted AS (" + count_history("archived") + ")"
+    )
+    # The rows that stay in jobs (retried, snoozed, failed): updated in place, and the queued
+    # ones announced. Left out of the flush of a batch of done outcomes (DONE_OUTCOMES).
+    _UPDATED_TEMPLATE = (
+        ", updated AS ("
         # Written short: past 4,096 bytes psycopg parses a statement's text anew at every
         # execute (common.rendered), 22 us a flush for this one.
         "  UPDATE {s}.{j} j SET"
@@ -466,6 +477,14 @@ class WorkerStatements(Role):
     )
     _REQUEUED_NONE = " UNION ALL SELECT {nulls} FROM requeued WHERE n < 0"
 
+    def _updated_rows(self, select: str, nulls: str) -> str:
+        """The union branches of the updated rows (`select` FROM updated) and of the
+        requeued notifications (none returned): nothing in a flush of done outcomes."""
+        if self.plain_outcomes == DONE_OUTCOMES:
+            return ""
+        return f" UNION ALL SELECT {select} FROM updated" + self._REQUEUED_NONE.format(
+            nulls=nulls)
+
     @property
     def _OUTCOME_CTES(self) -> str:
         # Plain (Statements.plain_outcomes): for a batch of done outcomes without results and
@@ -479,14 +498,14 @@ class WorkerStatements(Role):
                 "CASE m.kind WHEN 'done' THEN 'done' ELSE 'cancelled' END::{s}.job_status"),
                 last_error="nullif(right(concat_ws(E'\\n', last_error, m.error), 8000), '')")
             + "  , m.result FROM finished JOIN mine m USING (id) RETURNING id, queue, status")
-        return self._OUTCOME_TEMPLATE.replace("{archived}", archived)
+        updated = "" if self.plain_outcomes == DONE_OUTCOMES else self._UPDATED_TEMPLATE
+        return self._OUTCOME_TEMPLATE.replace("{archived}", archived) + updated
 
     @cached_property
     def job_set_outcome_if_running_many(self) -> Statement:
         return self._compose(
             "WITH " + self._OUTCOME_CTES
-            + " SELECT id FROM archived UNION ALL SELECT id FROM updated"
-            + self._REQUEUED_NONE.format(nulls="NULL::bigint"))
+            + " SELECT id FROM archived" + self._updated_rows("id", "NULL::bigint"))
 
     def _job_set_outcome_then_claim(self, next_due: str) -> Statement:
         # The flush and the next claim in one statement, one round trip and one commit: the
@@ -500,8 +519,7 @@ class WorkerStatements(Role):
             + ", claimed AS (" + self._job_claim_update(next_due) + ")"
             " SELECT true, {c} FROM claimed"
             f" UNION ALL SELECT false, id{nulls}"
-            " FROM (SELECT id FROM archived UNION ALL SELECT id FROM updated"
-            "  UNION ALL SELECT NULL FROM requeued WHERE n < 0) a")
+            " FROM (SELECT id FROM archived" + self._updated_rows("id", "NULL") + ") a")
 
     def _job_set_outcome_then_claim_from_floors(self, one_queue: bool,
                                                 peek: bool) -> Statement:
@@ -514,8 +532,7 @@ class WorkerStatements(Role):
             " SELECT true, {c} FROM claimed"
             + (" UNION ALL SELECT NULL, m.* FROM (" + self._FLOORS_ROW + ") m" if peek else "")
             + f" UNION ALL SELECT false, id{nulls} FROM archived"
-            f" UNION ALL SELECT false, id{nulls} FROM updated"
-            + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
+            + self._updated_rows(f"false, id{nulls}", f"NULL::boolean, NULL::bigint{nulls}"))
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_one_queue_from_floors(self) -> Statement:
@@ -560,8 +577,7 @@ class WorkerStatements(Role):
             + " SELECT true, {c} FROM claimed"
             " UNION ALL SELECT NULL, m.* FROM (" + self._held_marker(queue_of) + ") m"
             f" UNION ALL SELECT false, id{nulls} FROM archived"
-            f" UNION ALL SELECT false, id{nulls} FROM updated"
-            + self._REQUEUED_NONE.format(nulls=f"NULL::boolean, NULL::bigint{nulls}"))
+            + self._updated_rows(f"false, id{nulls}", f"NULL::boolean, NULL::bigint{nulls}"))
 
     @cached_property
     def job_set_outcome_if_running_many_then_claim_one_queue_limited(self) -> Statement:
