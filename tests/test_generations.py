@@ -6,6 +6,7 @@ moved keeps its children waiting, and a switch that cannot take its lock changes
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
 import psycopg
@@ -79,6 +80,14 @@ async def test_every_enqueue_path_writes_the_current_generation(queue: Queue) ->
                *await queue.enqueue_many("t", [{}], keys=["b"])]
         async with queue.connection() as conn, conn.transaction():  # the caller's
             ids.append(await queue.enqueue("t", {}, conn=conn))
+        tick = f"2030-01-0{2 - want}T00:00:00Z"  # each later than the one before
+        async with queue.connection() as conn:  # a periodic tick, as the leader writes it
+            spec = ["every", "t", {}, "default", 0, 3]
+            await conn.execute(queue.sql.periodic_ticks_enqueue, {
+                "schedules": json.dumps([spec]), "channel": queue.database.channel,
+                "ticks": json.dumps([["every", tick, True]])})
+        ids.append(int(await fetchval(queue, "SELECT id FROM {s}.jobs WHERE run_at = %s",
+                                      tick)))
         where = await _where(queue)
         assert {i: where[i][0] for i in ids} == {i: want for i in ids}
 

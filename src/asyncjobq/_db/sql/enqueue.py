@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from .common import Role, Statement, _q
-
-# Every insert names the generation its rows go to (docs/how-it-works/storage.md): the
-# column's default, current_gen(), is a SQL function that PostgreSQL runs (and plans) for each
-# row, about 40 µs of server CPU in a one-row enqueue of 270; an uncorrelated subquery is one
-# InitPlan a statement. The same snapshot reads it either way. Producers thus need version 13.
-GEN = "(SELECT gen FROM {s}.generation)"
+from .common import GEN, Role, Statement, _q
 
 
 class EnqueueStatements(Role):

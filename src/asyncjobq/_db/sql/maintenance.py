@@ -8,6 +8,7 @@ from functools import cached_property
 from psycopg import sql
 
 from .common import (
+    GEN,
     HORIZON_HOLDERS,
     Role,
     Statement,
@@ -332,8 +333,8 @@ class MaintenanceStatements(Role):
             "  ON CONFLICT (name, tick) DO NOTHING"
             "  RETURNING name, tick, enqueued),"
             " jobs AS ("
-            "  INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts)"
-            "  SELECT s.task, s.payload, s.queue, s.priority, f.tick, s.max_attempts"
+            "  INSERT INTO {s}.jobs (task, payload, queue, priority, run_at, max_attempts, gen)"
+            "  SELECT s.task, s.payload, s.queue, s.priority, f.tick, s.max_attempts, " + GEN +
             "  FROM fresh f JOIN spec s ON s.name = f.name WHERE f.enqueued"
             "  ORDER BY f.tick"
             "  RETURNING queue, run_at)"
