@@ -240,11 +240,11 @@ class Database:
         self._dsn_arg, self._dsn, self.schema, self._listen_dsn = binding
         self.sql = statements(self.schema)
 
-    def sql_of(self, gen: int | None, plain_outcomes: int = 0) -> Statements:
+    def sql_of(self, gen: int | None, outcomes: int = 0) -> Statements:
         """The statements whose claims and completions name generation `gen`'s partition
-        (None: jobs, every partition), with the worker's flush for `plain_outcomes`
+        (None: jobs, every partition), with the worker's flush for `outcomes`
         (sql/claim.py: ANY_OUTCOMES, PLAIN_OUTCOMES, DONE_OUTCOMES)."""
-        return statements(self.schema, plain_outcomes, gen)
+        return statements(self.schema, outcomes, gen)
 
     @property
     def is_open(self) -> bool:

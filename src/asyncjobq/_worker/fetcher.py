@@ -363,7 +363,7 @@ class Fetcher:
     def _choose(self, pick: Callable[[WorkerStatements], tuple[
                     tuple[Statement, Statement], tuple[Statement, Statement],
                     tuple[Statement, Statement], tuple[Statement, Statement]]],
-                limit: int, plain_outcomes: int = 0,
+                limit: int, outcomes: int = 0,
                 ) -> tuple[Statement, dict[str, object], int | None, int | None]:
         """The claim to send: `pick` gives the (plain, limited, from floors, from floors
         reading the next floors) statements, of (one queue, several queues) each, of a
@@ -373,7 +373,7 @@ class Fetcher:
         params = self._claim_params(limit)
         which = 0 if self.single_queue else 1
         gen = self.gen if self._limits is None else None
-        plain, limited, floored, peeking = pick(self._db.sql_of(gen, plain_outcomes))
+        plain, limited, floored, peeking = pick(self._db.sql_of(gen, outcomes))
         if self.floors.ready():  # never with limits (listening())
             token, peek, lanes = self.floors.begin()
             params["lanes"] = lanes

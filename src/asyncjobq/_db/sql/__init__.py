@@ -32,15 +32,15 @@ __all__ = ["CLAIM_COLUMNS", "HISTORY_COLUMNS", "INFO_COLUMNS", "IndexDefinition"
 class Statements(EnqueueStatements, WorkerStatements, MaintenanceStatements, AdminStatements,
                  DoctorStatements, BrowseStatements, TestingStatements, WorkflowStatements):
     schema: str
-    plain_outcomes: int = 0
+    outcomes: int = 0
     part: int | None = None
 
 
 @cache
-def statements(schema: str, plain_outcomes: int = 0, part: int | None = None
+def statements(schema: str, outcomes: int = 0, part: int | None = None
                ) -> Statements:
-    """The statements of `schema`; `plain_outcomes`: the worker's flush of batches whose every
-    outcome is done without a result, or failed (1, claim.py PLAIN_OUTCOMES, or True), or
-    done without a result (2, DONE_OUTCOMES) (WorkerStatements._OUTCOME_CTES); `part`: the
+    """The statements of `schema`; `outcomes`: the worker's flush for batches of any outcomes
+    (claim.py ANY_OUTCOMES), of outcomes done without a result or failed (PLAIN_OUTCOMES), or
+    done without a result only (DONE_OUTCOMES) (WorkerStatements._OUTCOME_CTES); `part`: the
     generation whose partition the worker's claims and completions name (Role)."""
-    return Statements(schema, int(plain_outcomes), part)
+    return Statements(schema, outcomes, part)

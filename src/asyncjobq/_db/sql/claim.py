@@ -67,7 +67,7 @@ _CLAMPED = ("CASE WHEN {0} IS NOT NULL THEN least(greatest({0}, '0001-01-01 00:0
 # modify a row twice).
 _ARCHIVED = "kind IN ('done', 'cancelled') OR (kind IN ('retry', 'snooze') AND cancel)"
 
-# What a flush's outcomes are (Statements.plain_outcomes): any kind; done without a result or
+# What a flush's outcomes are (Statements.outcomes): any kind; done without a result or
 # failed (the history row needs no join with the outcomes); done without a result only (no
 # row stays in jobs: no UPDATE, no notification of requeued rows in the statement).
 ANY_OUTCOMES, PLAIN_OUTCOMES, DONE_OUTCOMES = 0, 1, 2
@@ -480,25 +480,25 @@ class WorkerStatements(Role):
     def _updated_rows(self, select: str, nulls: str) -> str:
         """The union branches of the updated rows (`select` FROM updated) and of the
         requeued notifications (none returned): nothing in a flush of done outcomes."""
-        if self.plain_outcomes == DONE_OUTCOMES:
+        if self.outcomes == DONE_OUTCOMES:
             return ""
         return f" UNION ALL SELECT {select} FROM updated" + self._REQUEUED_NONE.format(
             nulls=nulls)
 
     @property
     def _OUTCOME_CTES(self) -> str:
-        # Plain (Statements.plain_outcomes): for a batch of done outcomes without results and
+        # Plain (Statements.outcomes): for a batch of done outcomes without results and
         # of failures, the history row is the job's as it was, done: no join with the
         # outcomes, which cost a flush ~6 % of its server time (benchmarks/results/WAITS.md).
         archived = (
             "  INSERT INTO {s}.jobs_history ({h}) SELECT " + history_row("done")
-            + " FROM finished RETURNING id, queue, status") if self.plain_outcomes else (
+            + " FROM finished RETURNING id, queue, status") if self.outcomes != ANY_OUTCOMES else (
             "  INSERT INTO {s}.jobs_history ({h}, result)"
             " SELECT " + history_row("", status_sql=(
                 "CASE m.kind WHEN 'done' THEN 'done' ELSE 'cancelled' END::{s}.job_status"),
                 last_error="nullif(right(concat_ws(E'\\n', last_error, m.error), 8000), '')")
             + "  , m.result FROM finished JOIN mine m USING (id) RETURNING id, queue, status")
-        updated = "" if self.plain_outcomes == DONE_OUTCOMES else self._UPDATED_TEMPLATE
+        updated = "" if self.outcomes == DONE_OUTCOMES else self._UPDATED_TEMPLATE
         return self._OUTCOME_TEMPLATE.replace("{archived}", archived) + updated
 
     @cached_property
