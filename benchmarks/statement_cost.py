@@ -1,7 +1,7 @@
 """Where the server's time goes in the worker's flush: its statement replayed in one backend.
 
     .venv/bin/python -m benchmarks.statement_cost [--jobs 20000] [--batch 10]
-        [--variants base,no-browse-indexes,no-count,...] [--floors]
+        [--variants base,no-browse-index,no-count,...] [--done-only] [--floors]
 
 Each variant gets a schema of its own, installed, changed as the variant says (an index or a
 trigger dropped, a part of the statement left out) and filled with `--jobs` queued jobs. Then,
@@ -28,7 +28,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -51,12 +51,13 @@ class Variant:
     outcomes: int = PLAIN_OUTCOMES  # the flush's shape (_db/sql/claim.py)
 
 
-def _cut(start: str, end: str) -> Callable[[str], str]:
+def _cut(start: str, *ends: str) -> Callable[[str], str]:
+    """Leaves out the text from `start` to the first of `ends` found after it."""
     def edit(text: str) -> str:
         i = text.find(start)
-        j = text.find(end, i)
+        j = min((k for k in (text.find(e, i) for e in ends) if k >= 0), default=-1)
         if i < 0 or j < 0:
-            raise SystemExit(f"the statement has no {start!r}...{end!r}: this variant does "
+            raise SystemExit(f"the statement has no {start!r}...{ends[0]!r}: this variant does "
                              "not apply to it")
         return text[:i] + " " + text[j:]
     return edit
@@ -69,8 +70,7 @@ def _drop(kind: str, *names: str) -> str:
 
 VARIANTS = {v.name: v for v in [
     Variant("base"), Variant("base-again"),
-    Variant("no-browse-indexes", _drop("INDEX", "jobs_history_queue_browse_idx",
-                                       "jobs_history_task_browse_idx")),
+    Variant("no-browse-index", _drop("INDEX", "jobs_history_task_browse_idx")),
     Variant("no-history-brin", _drop("INDEX", "jobs_history_finished_brin")),
     Variant("no-partial-indexes", _drop(
         "INDEX", "jobs_failed_id_idx", "jobs_failed_browse_idx", "jobs_flow_running_idx",
@@ -80,7 +80,7 @@ VARIANTS = {v.name: v for v in [
     Variant("no-row-triggers", _drop(
         "TRIGGER", "jobs_key_insert", "jobs_key_requeue", "jobs_key_delete", "jobs_key_end",
         "jobs_parent_ended_delete", "jobs_parent_ended_failed")),
-    Variant("no-count", edit=_cut(" counted AS (", " updated AS (")),
+    Variant("no-count", edit=_cut(" counted AS (", " updated AS (", " claimed AS (")),
     Variant("done-only", outcomes=DONE_OUTCOMES),
 ]}
 
@@ -162,6 +162,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--done-only", action="store_true",
+                   help="every variant on the flush of done outcomes alone (DONE_OUTCOMES)")
     p.add_argument("--floors", action="store_true",
                    help="the claim from floors (a worker's while the horizon is held)")
     args = p.parse_args()
@@ -173,7 +175,8 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown variant(s) {', '.join(unknown)}: use {', '.join(VARIANTS)}")
     server = start_server()
-    cells = [Cell(server, VARIANTS[n], args.jobs, args.batch, args.floors)
+    shape = (lambda v: replace(v, outcomes=DONE_OUTCOMES)) if args.done_only else (lambda v: v)
+    cells = [Cell(server, shape(VARIANTS[n]), args.jobs, args.batch, args.floors)
              for n in args.variants.split(",")]
     try:
         live = cells

@@ -142,7 +142,10 @@ async def test_a_pinned_horizon_does_not_slow_a_claim_from_floors(queue: Queue,
                 await queue.enqueue_many("t", [{}] * 500)
             await wait_for(lambda: len(done) == 3000, 60, what="3,000 jobs done")
             fetcher = w.fetcher
-            assert fetcher is not None and fetcher.floors.ready()
+            assert fetcher is not None
+            # A switch of generations meanwhile (the leader's, under this pin) leaves the
+            # floors unknown until the next poll discovers them again.
+            await wait_for(fetcher.floors.ready, 10, what="the floors known")
             await t.enqueue({})
             await wait_for(lambda: len(done) == 3001, 10, what="the last job done")
             # A claim reads its floors one time in PEEK_EVERY: the idle worker's next ones do.
