@@ -35,6 +35,7 @@ import psycopg
 
 from asyncjobq._db.sql import statements
 from asyncjobq._db.sql.claim import DONE_OUTCOMES, PLAIN_OUTCOMES
+from asyncjobq._db.sql.common import HISTORY_SHARD
 from asyncjobq._worker.floors import PEEK_EVERY
 
 from .common import Server, drop_schema, enqueue_bulk, fresh_schema, install_schema, start_server
@@ -63,6 +64,22 @@ def _cut(start: str, *ends: str) -> Callable[[str], str]:
     return edit
 
 
+def _append_count(text: str) -> str:
+    """The history count appended to a table without an index (one row per queue and status
+    a flush), as a ledger a leader would fold, instead of upserted into history_counts."""
+    i = text.find("INSERT INTO ", text.find(" counted AS ("))
+    j = text.find(" ON CONFLICT", i)
+    k = text.find(")", text.find("excluded.n", j))
+    head = text[i:j]
+    schema = head.split("INSERT INTO ")[1].split(".")[0]
+    head = head.replace(f"{schema}.history_counts AS c (queue, status, shard, n)",
+                        f"{schema}.history_count_log (queue, status, n)")
+    head = head.replace(f"SELECT queue, status, {HISTORY_SHARD}, count(*)",
+                        "SELECT queue, status, count(*)")
+    head = head.replace(" ORDER BY queue, status", "")
+    return text[:i] + head + text[k:]
+
+
 def _drop(kind: str, *names: str) -> str:
     on = " ON {s}.jobs" if kind == "TRIGGER" else ""
     return "".join(f"DROP {kind} {'' if on else '{s}.'}{n}{on};" for n in names)
@@ -80,6 +97,18 @@ VARIANTS = {v.name: v for v in [
     Variant("no-row-triggers", _drop(
         "TRIGGER", "jobs_key_insert", "jobs_key_requeue", "jobs_key_delete", "jobs_key_end",
         "jobs_parent_ended_delete", "jobs_parent_ended_failed")),
+    Variant("no-delete-triggers", _drop("TRIGGER", "jobs_parent_ended_delete",
+                                        "jobs_key_delete")),
+    Variant("no-update-triggers", _drop("TRIGGER", "jobs_key_requeue", "jobs_key_end",
+                                        "jobs_parent_ended_failed")),
+    # The key's two UPDATE triggers as one AFTER trigger (its condition only: no key here).
+    Variant("merged-update-trigger", _drop("TRIGGER", "jobs_key_requeue", "jobs_key_end") + (
+        "CREATE TRIGGER jobs_key_update AFTER UPDATE OF status, finished_at ON {s}.jobs"
+        " FOR EACH ROW WHEN (NEW.dedup_key IS NOT NULL AND (OLD.status IN ('queued', 'running'))"
+        " <> (NEW.status IN ('queued', 'running'))) EXECUTE FUNCTION {s}.jobs_key_free();")),
+    Variant("append-count",
+            "CREATE TABLE {s}.history_count_log (queue text, status {s}.job_status, n bigint);",
+            edit=_append_count),
     Variant("no-count", edit=_cut(" counted AS (", " updated AS (", " claimed AS (")),
     Variant("done-only", outcomes=DONE_OUTCOMES),
 ]}
