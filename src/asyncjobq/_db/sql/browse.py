@@ -76,6 +76,7 @@ class BrowseStatements(Role):
         # Each branch orders by its index's columns (fixed within the branch, so the order is
         # by id): the primary key cannot give that order, so the planner never walks history
         # backwards by id filtering for a rare pair, which reads all of it when none exist.
+        # The branches give ids only; the page's rows are read by id after the merge.
         hot = _and((queue, "j.queue = %(queue)s"), (task, "j.task = %(task)s"))
         pairs = _and((queue, "queue = %(queue)s"))
         live = [st for st in statuses if st in LIVE_STATUSES]
@@ -95,11 +96,18 @@ class BrowseStatements(Role):
             "   WHERE status = ANY(%(statuses)s::text[]::{s}.job_status[]){pairs}"
             "   GROUP BY queue, status HAVING sum(n) > 0),"
             " {tasks}"
-            " old AS (SELECT h.* FROM pairs p JOIN tq t ON t.queue = p.queue CROSS JOIN LATERAL ("
-            "   SELECT {cols} FROM {s}.jobs_history h"
+            # Ids only, from the index (a branch per task and status reads `limit` of them),
+            # then the page's rows by primary key: not `limit` whole rows per branch.
+            " old_ids AS (SELECT h.id FROM pairs p JOIN tq t ON t.queue = p.queue"
+            "  CROSS JOIN LATERAL (SELECT h.id FROM {s}.jobs_history h"
             "   WHERE h.task = t.task AND h.queue = p.queue AND h.status = p.status"
             "     AND h.id < %(before)s"
-            "   ORDER BY h.task DESC, h.queue DESC, h.status DESC, h.id DESC LIMIT %(limit)s) h)"
+            "   ORDER BY h.task DESC, h.queue DESC, h.status DESC, h.id DESC LIMIT %(limit)s) h"
+            "  ORDER BY h.id DESC LIMIT %(limit)s),"
+            # MATERIALIZED: inlined, the page's ORDER BY became a backward walk of the
+            # primary key matching the ids (77 blocks for 3 rows), not 3 lookups.
+            " old AS MATERIALIZED (SELECT {cols} FROM {s}.jobs_history"
+            "   WHERE id = ANY(ARRAY(SELECT id FROM old_ids)))"
             " SELECT * FROM ({hot_part}SELECT * FROM old) page"
             " ORDER BY id DESC LIMIT %(limit)s"
         ).format(cols=sql.SQL(SUMMARY_COLUMNS), s=sql.Identifier(self.schema),
