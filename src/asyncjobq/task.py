@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._checks import check_task_name, parse_rate
@@ -74,9 +75,11 @@ class Task:
     key_limit: int | None = None
     rate_limit: str | None = None
 
-    @property
+    @cached_property
     def is_async(self) -> bool:
         """Whether the handler is an `async def` (a plain `def` runs in a thread)."""
+        # Cached: asked for every job the worker runs, and inspect's answer costs about
+        # 1 us; the handler of a (frozen) Task never changes.
         return inspect.iscoroutinefunction(self.handler)
 
     @property

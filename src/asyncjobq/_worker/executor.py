@@ -110,7 +110,9 @@ async def _call(job: Job, running: RunningJob, task: Task, runner: ThreadRunner)
         result = await task.handler(job)  # type: ignore[misc]
     else:
         result = await _in_thread(job, running, task, runner)
-    if inspect.isawaitable(result):  # a sync callable that returned a coroutine
+    # A sync callable that returned a coroutine; None, the common return, is not awaitable
+    # (asked first: isawaitable costs about 1 us a job).
+    if result is not None and inspect.isawaitable(result):
         result = await result
     return result
 
