@@ -1,7 +1,7 @@
 """Where the server's time goes in the worker's flush: its statement replayed in one backend.
 
     .venv/bin/python -m benchmarks.statement_cost [--jobs 20000] [--batch 10]
-        [--variants base,no-browse-index,no-count,...] [--done-only] [--floors]
+        [--variants base,no-browse-indexes,no-count,...] [--done-only] [--floors]
 
 Each variant gets a schema of its own, installed, changed as the variant says (an index or a
 trigger dropped, a part of the statement left out) and filled with `--jobs` queued jobs. Then,
@@ -87,7 +87,9 @@ def _drop(kind: str, *names: str) -> str:
 
 VARIANTS = {v.name: v for v in [
     Variant("base"), Variant("base-again"),
-    Variant("no-browse-index", _drop("INDEX", "jobs_history_task_browse_idx")),
+    Variant("no-browse-indexes", _drop("INDEX", "jobs_history_queue_browse_idx",
+                                       "jobs_history_task_browse_idx")),
+    Variant("no-queue-browse-index", _drop("INDEX", "jobs_history_queue_browse_idx")),
     Variant("no-history-brin", _drop("INDEX", "jobs_history_finished_brin")),
     Variant("no-partial-indexes", _drop(
         "INDEX", "jobs_failed_id_idx", "jobs_failed_browse_idx", "jobs_flow_running_idx",

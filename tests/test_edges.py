@@ -181,15 +181,15 @@ async def test_doctor_fixes_an_invalid_index_by_dropping_and_recreating_it_concu
         queue: Queue, pg_dsn: str) -> None:
     # What an interrupted CREATE INDEX CONCURRENTLY leaves: an index the planner ignores.
     await execute(queue, "UPDATE pg_index SET indisvalid = false WHERE indexrelid ="
-                         " '{s}.jobs_history_task_browse_idx'::regclass")
+                         " '{s}.jobs_history_queue_browse_idx'::regclass")
 
     [(message, advice)] = index_fixes(await diagnose(queue)).items()
 
-    assert "jobs_history_task_browse_idx" in message and "invalid" in message
+    assert "jobs_history_queue_browse_idx" in message and "invalid" in message
     statements = advised_statements(advice)
     assert [s.split(" ON ")[0].split(" IF EXISTS ")[0] for s in statements] == [
         "DROP INDEX CONCURRENTLY",
-        'CREATE INDEX CONCURRENTLY "jobs_history_task_browse_idx"'], advice
+        'CREATE INDEX CONCURRENTLY "jobs_history_queue_browse_idx"'], advice
     for statement in statements:
         await run_outside_a_transaction(pg_dsn, statement)
     await assert_indexes_present_and_valid(queue)

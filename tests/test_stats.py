@@ -136,12 +136,14 @@ async def test_stats_reads_no_history_whatever_its_size(queue: Queue) -> None:
             "stats() reads jobs_history: it counts every finished job on every call"
 
 
-async def test_a_page_of_history_without_a_task_is_newest_first_and_bounded(
-        queue: Queue) -> None:
-    """A page without a task reads one range of jobs_history_task_browse_idx per (task,
-    queue, status) that has rows, the tasks found by a walk of the index
-    (0014_one_browse_index.sql): ids of several tasks interleaved come out merged, newest
-    first, and a page reads a few blocks of a history of 30,000 rows, not all of it."""
+async def test_a_page_of_history_is_newest_first_and_bounded(queue: Queue) -> None:
+    """A page of a queue's history (no task) reads one range of jobs_history_queue_browse_idx
+    per (queue, status): ids of several tasks interleaved come out newest first, and the page
+    of a rare queue whose jobs are the oldest reads a few blocks of a history of 30,000 rows,
+    not all of it backwards. Dropping that index (every completion writes an entry in it, 3.6
+    us of server CPU a job at batch 10) made such pages walk the task index's (task, queue)
+    pairs: a pinned horizon over pruned rows, or many tasks times many queues, then cost
+    hundreds of milliseconds a page (docs/how-it-works/claim.md)."""
     await execute(queue, fill_history(30_000))
     # Three tasks interleaved by id in queue a, one of them in queue b too.
     await execute(queue, counted(
@@ -150,6 +152,13 @@ async def test_a_page_of_history_without_a_task_is_newest_first_and_bounded(
         " SELECT 1000000 + g, CASE WHEN g %% 7 = 0 THEN 'b' ELSE 'a' END,"
         "   't' || (g %% 3), '{{}}', 'done', 0, now(), 1, 3, now(), now()"
         " FROM generate_series(1, 90) g"))
+    # A rare queue whose jobs are the oldest: history read backwards by id would pass every
+    # other row before it found them.
+    await execute(queue, counted(
+        "INSERT INTO {s}.jobs_history (id, queue, task, payload, status, priority, run_at,"
+        " attempts, max_attempts, created_at, finished_at)"
+        " SELECT -1000000 - g, 'rare', 't' || g, '{{}}', 'done', 0, now(), 1, 3, now(), now()"
+        " FROM generate_series(1, 3) g"))
     await execute(queue, "ANALYZE {s}.jobs_history")
     newest_a = [1000000 + g for g in range(90, 0, -1) if g % 7]
     first = await queue.list_jobs(queue="a", status="done", limit=20)
@@ -159,22 +168,13 @@ async def test_a_page_of_history_without_a_task_is_newest_first_and_bounded(
     assert [j.id for j in second.jobs] == newest_a[20:40]
     everything = await queue.list_jobs(status="done", limit=90)
     assert [j.id for j in everything.jobs] == list(range(1000090, 1000000, -1))
-    # A rare queue whose jobs are the oldest: history read backwards by id would pass every
-    # other row before it found them.
-    await execute(queue, counted(
-        "INSERT INTO {s}.jobs_history (id, queue, task, payload, status, priority, run_at,"
-        " attempts, max_attempts, created_at, finished_at)"
-        " SELECT -1000000 - g, 'rare', 't' || g, '{{}}', 'done', 0, now(), 1, 3, now(), now()"
-        " FROM generate_series(1, 3) g"))
-    await execute(queue, "ANALYZE {s}.jobs_history")
     rare = await queue.list_jobs(queue="rare", status="done")
     assert [j.id for j in rare.jobs] == [-1000001, -1000002, -1000003]
     statement = queue.sql.job_page(queue=True, task=False, statuses=["done"])
     params = {"queue": "rare", "statuses": ["done"], "before": 2**63 - 1, "limit": 51}
     reads = await history_reads(queue, statement, params)
     assert reads and all(node != "Seq Scan" for node, _, _ in reads), reads
-    # The walk: one descent per (task, queue) pair (12 here); the branches: 3 ids; the rows
-    # by id. The whole statement's blocks (a node's count includes its InitPlans').
+    # The whole statement's blocks (a node's count includes its InitPlans').
     async with queue.connection() as conn:
         cur = await conn.execute(
             sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + statement, params)
@@ -390,9 +390,9 @@ async def test_upgrade_backfills_an_existing_history(pg_dsn: str, schema: str) -
         assert await q.stats() == before
         indexes = await fetchval(q, "SELECT array_agg(indexname::text) FROM pg_indexes"
                                  " WHERE schemaname = %s AND tablename = 'jobs_history'", schema)
-        # 0003 dropped the (queue, status) index; 0008 adds the dashboard's browse indexes,
-        # 0014 drops the one by queue.
+        # 0003 dropped the (queue, status) index; 0008 adds the dashboard's browse indexes.
         assert sorted(indexes) == ["jobs_history_finished_brin", "jobs_history_pkey",
+                                   "jobs_history_queue_browse_idx",
                                    "jobs_history_task_browse_idx"]
         assert "autosummarize=on" in await fetchval(
             q, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",

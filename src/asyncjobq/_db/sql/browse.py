@@ -47,20 +47,6 @@ def _and(*conditions: tuple[bool, str]) -> sql.SQL:
     return sql.SQL("".join(f" AND {text}" for given, text in conditions if given))
 
 
-# The (task, queue) pairs of a page's history branches (job_page): the task given, with each
-# queue; or every pair history holds, by a walk of jobs_history_task_browse_idx's first two
-# columns, one index descent a pair.
-_GIVEN_TASK = "tq AS (SELECT DISTINCT %(task)s::text AS task, queue FROM pairs),"
-_HISTORY_TASKS = (
-    "tq AS (WITH RECURSIVE w AS ("
-    "  (SELECT h.task, h.queue FROM {s}.jobs_history h ORDER BY h.task, h.queue LIMIT 1)"
-    "  UNION ALL"
-    "  SELECT n.task, n.queue FROM w CROSS JOIN LATERAL (SELECT h.task, h.queue"
-    "   FROM {s}.jobs_history h WHERE (h.task, h.queue) > (w.task, w.queue)"
-    "   ORDER BY h.task, h.queue LIMIT 1) n)"
-    " SELECT task, queue FROM w),")
-
-
 class BrowseStatements(Role):
     def job_page(self, *, queue: bool, task: bool, statuses: Sequence[str]) -> Statement:
         # Newest first, `id < before`. The live table (waiting, queued, running, failed) is read
@@ -68,17 +54,16 @@ class BrowseStatements(Role):
         # it), its statuses written as literals so that the planner can use a partial index:
         # failed rows alone through jobs_failed_id_idx, the others by the primary key,
         # backwards.
-        # History is read per (task, queue, status) that has rows, each branch one range of
-        # jobs_history_task_browse_idx stopping after `limit` rows: the (queue, status) pairs
-        # from history_counts (a few rows), the task given or, without one, each task found
-        # with the queue by a walk of the index's (task, queue) pairs (one descent a pair:
-        # 0014_one_browse_index.sql dropped the index by queue, which every completion wrote).
+        # History is read per (queue, status) pair that has rows (from history_counts: a few
+        # rows), each branch stopping after `limit` rows, through
+        # jobs_history_queue_browse_idx, or jobs_history_task_browse_idx when a task is given.
         # Each branch orders by its index's columns (fixed within the branch, so the order is
         # by id): the primary key cannot give that order, so the planner never walks history
         # backwards by id filtering for a rare pair, which reads all of it when none exist.
-        # The branches give ids only; the page's rows are read by id after the merge.
         hot = _and((queue, "j.queue = %(queue)s"), (task, "j.task = %(task)s"))
         pairs = _and((queue, "queue = %(queue)s"))
+        branch = _and((task, "h.task = %(task)s"))
+        order = "h.task DESC, h.queue DESC" if task else "h.queue DESC"
         live = [st for st in statuses if st in LIVE_STATUSES]
         hot_cte: sql.Composable = sql.SQL("")
         hot_part: sql.Composable = sql.SQL("")
@@ -95,25 +80,15 @@ class BrowseStatements(Role):
             " pairs AS (SELECT queue, status FROM {s}.history_counts"
             "   WHERE status = ANY(%(statuses)s::text[]::{s}.job_status[]){pairs}"
             "   GROUP BY queue, status HAVING sum(n) > 0),"
-            " {tasks}"
-            # Ids only, from the index (a branch per task and status reads `limit` of them),
-            # then the page's rows by primary key: not `limit` whole rows per branch.
-            " old_ids AS (SELECT h.id FROM pairs p JOIN tq t ON t.queue = p.queue"
-            "  CROSS JOIN LATERAL (SELECT h.id FROM {s}.jobs_history h"
-            "   WHERE h.task = t.task AND h.queue = p.queue AND h.status = p.status"
-            "     AND h.id < %(before)s"
-            "   ORDER BY h.task DESC, h.queue DESC, h.status DESC, h.id DESC LIMIT %(limit)s) h"
-            "  ORDER BY h.id DESC LIMIT %(limit)s),"
-            # MATERIALIZED: inlined, the page's ORDER BY became a backward walk of the
-            # primary key matching the ids (77 blocks for 3 rows), not 3 lookups.
-            " old AS MATERIALIZED (SELECT {cols} FROM {s}.jobs_history"
-            "   WHERE id = ANY(ARRAY(SELECT id FROM old_ids)))"
+            " old AS (SELECT h.* FROM pairs p CROSS JOIN LATERAL ("
+            "   SELECT {cols} FROM {s}.jobs_history h"
+            "   WHERE h.queue = p.queue AND h.status = p.status AND h.id < %(before)s{branch}"
+            "   ORDER BY {order}, h.status DESC, h.id DESC LIMIT %(limit)s) h)"
             " SELECT * FROM ({hot_part}SELECT * FROM old) page"
             " ORDER BY id DESC LIMIT %(limit)s"
         ).format(cols=sql.SQL(SUMMARY_COLUMNS), s=sql.Identifier(self.schema),
-                 hot_cte=hot_cte, hot_part=hot_part, pairs=pairs,
-                 tasks=sql.SQL(_GIVEN_TASK if task else _HISTORY_TASKS).format(
-                     s=sql.Identifier(self.schema)))
+                 hot_cte=hot_cte, hot_part=hot_part,
+                 pairs=pairs, branch=branch, order=sql.SQL(order))
 
     def job_count(self, *, queue: bool, task: bool, max_id: bool = False) -> Statement:
         # The live table is counted; history is summed from history_counts (exact, a few rows)
