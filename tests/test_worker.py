@@ -709,3 +709,42 @@ async def test_worker_serves_several_queues_and_only_those(queue: Queue) -> None
         await asyncio.sleep(0.3)
     assert sorted(seen) == ["a", "b"]
     assert (await queue.stats())["c"]["queued"] == 1
+
+
+def test_the_fetchers_job_is_the_one_job_makes() -> None:
+    """claimed_job (the fetcher's constructor, one __dict__ update) makes what Job(...)
+    makes, every field set: a field added to Job and forgotten there fails here."""
+    import dataclasses
+
+    from asyncjobq.job import claimed_job
+
+    at = datetime(2026, 1, 2, tzinfo=UTC)
+    values = dict(id=7, task="t", queue="q", payload={"a": [1]}, priority=-3, attempt=2,
+                  max_attempts=5, run_at=at, created_at=at - timedelta(seconds=1),
+                  worker="w-1", trace_context={"traceparent": "00-x"}, control=None,
+                  has_parents=True)
+    fast = claimed_job(**values)  # type: ignore[arg-type]
+    slow = Job(**values)  # type: ignore[arg-type]
+    for f in dataclasses.fields(Job):
+        assert getattr(fast, f.name) == getattr(slow, f.name), f.name
+    assert set(vars(fast)) == {f.name for f in dataclasses.fields(Job)}
+    assert fast == slow and repr(fast) == repr(slow)
+    assert fast.parent_results == {} and fast.parent_results is not claimed_job(
+        **values).parent_results  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.attempt = 3  # type: ignore[misc]
+
+
+async def test_a_payload_with_non_ascii_text_reaches_the_handler_intact(queue: Queue) -> None:
+    """The worker's own connections decode jsonb from UTF-8 text (_db/ownconn.py)."""
+    seen: list[dict[str, object]] = []
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        seen.append(job.payload)
+
+    payload = {"name": "Zoë 名前 🙂", "nested": {"k": ["ä", 1, None, 2.5]}}
+    await queue.enqueue("t", payload)
+    async with running(Worker(queue)):
+        await wait_for(lambda: len(seen) == 1, 10, what="the job run")
+    assert seen == [payload]

@@ -27,7 +27,7 @@ from .._db.retrying import RETRYABLE, Backoff, RetryPolicy
 from .._db.sql import Statement
 from .._db.sql.claim import WorkerStatements
 from ..errors import reason
-from ..job import Job, JobControl
+from ..job import Job, JobControl, claimed_job
 from .floors import Floors
 
 log = logging.getLogger("asyncjobq.fetcher")
@@ -330,10 +330,10 @@ class Fetcher:
                 self.floors.settle(token, floors[0])
             else:
                 self.floors.abandon(token)
+        worker, control = self._worker_id, self._control
         jobs = [
-            Job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4], attempt=r[5],
-                max_attempts=r[6], run_at=r[7], created_at=r[8], worker=self._worker_id,
-                trace_context=r[9], control=self._control, has_parents=r[10] is not None)
+            claimed_job(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], worker, r[9],
+                        control, r[10] is not None)
             for r in rows if r[0] is not None
         ]
         for job in jobs:
