@@ -733,18 +733,31 @@ def test_the_fetchers_job_is_the_one_job_makes() -> None:
         **values).parent_results  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.attempt = 3  # type: ignore[misc]
+    assert not hasattr(Job, "__post_init__"), "claimed_job skips __init__: run it there too"
 
 
-async def test_a_payload_with_non_ascii_text_reaches_the_handler_intact(queue: Queue) -> None:
-    """The worker's own connections decode jsonb from UTF-8 text (_db/ownconn.py)."""
+async def test_the_payload_is_read_with_the_apps_json_loader(queue: Queue) -> None:
+    """The worker reads payloads as the app's psycopg reads JSON: a loader set for the whole
+    process (Decimal for money) applies to job.payload too, and text outside ASCII arrives
+    intact."""
+    import json
+    from decimal import Decimal
+
+    from psycopg.types.json import set_json_loads
+
     seen: list[dict[str, object]] = []
 
     @queue.task(name="t")
     async def t(job: Job) -> None:
         seen.append(job.payload)
 
-    payload = {"name": "Zoë 名前 🙂", "nested": {"k": ["ä", 1, None, 2.5]}}
+    payload = {"name": "Zoë 名前 🙂", "amount": 19.99, "nested": {"k": ["ä", 1, None]}}
     await queue.enqueue("t", payload)
-    async with running(Worker(queue)):
-        await wait_for(lambda: len(seen) == 1, 10, what="the job run")
-    assert seen == [payload]
+    set_json_loads(lambda data: json.loads(data, parse_float=Decimal))
+    try:
+        async with running(Worker(queue)):
+            await wait_for(lambda: len(seen) == 1, 10, what="the job run")
+    finally:
+        set_json_loads(json.loads)
+    assert seen == [{**payload, "amount": Decimal("19.99")}]
+    assert isinstance(seen[0]["amount"], Decimal)

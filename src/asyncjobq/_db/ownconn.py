@@ -20,7 +20,6 @@ right one (see sql.Statements._job_claim_update).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -28,16 +27,8 @@ from typing import Any
 import anyio
 import psycopg
 from psycopg import AsyncConnection
-from psycopg.types.json import set_json_loads
 
 from .._db.database import Database
-
-_decode = json.JSONDecoder().decode
-
-
-def _loads_utf8(data: str | bytes) -> Any:
-    # As json.loads(bytes) reads them, as UTF-8, without first guessing their encoding.
-    return _decode(data.decode() if isinstance(data, bytes) else data)
 
 
 class OwnConnection:
@@ -85,9 +76,6 @@ class OwnConnection:
         conn = await AsyncConnection.connect(
             q.dsn, autocommit=True, connect_timeout=max(1, int(q.connect_timeout)),
             application_name=f"{q.application_name}-{self._role}", **q.connect_options())
-        # Every claimed job's payload is a jsonb read here: decoded from str, not bytes
-        # (json.loads of bytes first guesses their encoding; 0.9 us a job of a drain's worker).
-        set_json_loads(_loads_utf8, conn)
         if not self._generic_plans or q.pooled:
             # Behind a transaction pooler a session setting would stay on whichever server
             # connection ran it (another client's next): plans are made for each execution.

@@ -332,8 +332,10 @@ class Fetcher:
                 self.floors.abandon(token)
         worker, control = self._worker_id, self._control
         jobs = [
-            claimed_job(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], worker, r[9],
-                        control, r[10] is not None)
+            claimed_job(id=r[0], task=r[1], queue=r[2], payload=r[3], priority=r[4],
+                        attempt=r[5], max_attempts=r[6], run_at=r[7], created_at=r[8],
+                        worker=worker, trace_context=r[9], control=control,
+                        has_parents=r[10] is not None)
             for r in rows if r[0] is not None
         ]
         for job in jobs:
