@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -84,6 +85,9 @@ from .task import Backoff, Handler, Task, name_of
 from .workflow import Workflow
 
 log = logging.getLogger("asyncjobq.queue")
+# A task's or queue's name as a JSON string, in each row an enqueue hands the inserter: the
+# few names an app uses, encoded once each.
+_json_name = functools.lru_cache(maxsize=1024)(json.dumps)
 # What a Queue's DSN may point at (Queue(pooler=...); docs/guides/deploying.md).
 POOLERS = ("auto", "transaction", "session", "none")
 
@@ -605,9 +609,9 @@ class Queue:
                        secs: float, attempts: int, dedup_key: str | None, conn: Conn | None,
                        trace: str | None, key: str | None = None) -> int:
         if conn is None and dedup_key is None and key is None:
-            job = (f"[{json.dumps(name)},{body},{json.dumps(q)},{prio:d},"
-                   f"{json.dumps(when.astimezone(UTC).isoformat() if when else None)},"
-                   f"{json.dumps(secs)},"
+            job = (f"[{_json_name(name)},{body},{_json_name(q)},{prio:d},"
+                   f"{json.dumps(when.astimezone(UTC).isoformat()) if when else 'null'},"
+                   f"{json.dumps(secs) if secs else '0.0'},"
                    f"{attempts:d}"
                    f"{',' + trace if trace is not None else ''}]")
             job_id = await self._open_inserter().insert(job)
