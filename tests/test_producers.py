@@ -344,3 +344,24 @@ async def test_on_enqueued_is_not_told_of_a_dedup_key_that_matched(queue: Queue)
     plain = await queue.enqueue("t", {})
     await wait_for(lambda: [plain] in seen, timeout=5, what="the plain enqueue's hook")
     assert sorted(seen) == [[first], [plain]]
+
+
+async def test_names_of_a_str_subclass_are_written_as_given(queue: Queue) -> None:
+    """The inserter's row encodes names through a cache of exact strs (queue.py, _json_name):
+    a str subclass, hashable or not, is encoded as itself, never as a cached name."""
+
+    class Unhashable(str):
+        __hash__ = None  # type: ignore[assignment]
+
+    class LooksLikeDefault(str):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __hash__(self) -> int:
+            return hash("default")
+
+    await queue.enqueue("t", {}, queue="default")  # "default" is cached now
+    first = await queue.enqueue("t", {}, queue=Unhashable("other"))
+    second = await queue.enqueue("t", {}, queue=LooksLikeDefault("elsewhere"))
+    assert [(await queue.get(i)).queue for i in (first, second)] == [  # type: ignore[union-attr]
+        "other", "elsewhere"]

@@ -86,8 +86,13 @@ from .workflow import Workflow
 
 log = logging.getLogger("asyncjobq.queue")
 # A task's or queue's name as a JSON string, in each row an enqueue hands the inserter: the
-# few names an app uses, encoded once each.
-_json_name = functools.lru_cache(maxsize=1024)(json.dumps)
+# few names an app uses, encoded once each. Exact strs only: a str subclass may hash as
+# another name, or not at all.
+_json_names = functools.lru_cache(maxsize=1024)(json.dumps)
+
+
+def _json_name(name: str) -> str:
+    return _json_names(name) if type(name) is str else json.dumps(name)
 # What a Queue's DSN may point at (Queue(pooler=...); docs/guides/deploying.md).
 POOLERS = ("auto", "transaction", "session", "none")
 
@@ -610,8 +615,8 @@ class Queue:
                        trace: str | None, key: str | None = None) -> int:
         if conn is None and dedup_key is None and key is None:
             job = (f"[{_json_name(name)},{body},{_json_name(q)},{prio:d},"
-                   f"{json.dumps(when.astimezone(UTC).isoformat()) if when else 'null'},"
-                   f"{json.dumps(secs) if secs else '0.0'},"
+                   f"{'null' if when is None else json.dumps(when.astimezone(UTC).isoformat())},"
+                   f"{'0.0' if secs == 0 else json.dumps(secs)},"
                    f"{attempts:d}"
                    f"{',' + trace if trace is not None else ''}]")
             job_id = await self._open_inserter().insert(job)
