@@ -93,6 +93,8 @@ _json_names = functools.lru_cache(maxsize=1024)(json.dumps)
 
 def _json_name(name: str) -> str:
     return _json_names(name) if type(name) is str else json.dumps(name)
+
+
 # What a Queue's DSN may point at (Queue(pooler=...); docs/guides/deploying.md).
 POOLERS = ("auto", "transaction", "session", "none")
 
