@@ -242,9 +242,11 @@ def check_timing(
     return run_at, float(secs)
 
 
-# One encoder for every payload: json.dumps with options other than its defaults builds a
-# JSONEncoder at every call (about 2 us an enqueue).
-_payload_json = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
+# Compact JSON, each encoder made once: json.dumps with options other than its defaults builds
+# a JSONEncoder at every call (about 2 us an enqueue). `stored_json` refuses NaN and infinity
+# (jsonb does): payloads, results, progress; `compact_json` is the worker's parameters'.
+stored_json = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def encode_payload(payload: object, index: int | None = None) -> str:
@@ -258,7 +260,7 @@ def encode_payload(payload: object, index: int | None = None) -> str:
             "wrap the value, e.g. {'value': ...}"
         )
     try:
-        body = _payload_json(payload)
+        body = stored_json(payload)
     except (TypeError, ValueError) as e:
         raise InvalidPayloadError(
             f"{where} is not JSON-serialisable ({e}): pass only dicts, lists, str, int, "
@@ -280,7 +282,7 @@ def encode_stored(value: object, what: str, max_bytes: int, limit: str, too_big:
     """`value` as the jsonb text stored for a job (its result, its progress); ValueError
     saying why it cannot be: `what` names it, `limit` its limit in words, `too_big` the fix."""
     try:
-        body = json.dumps(value, allow_nan=False, separators=(",", ":"))
+        body = stored_json(value)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"{what} is not JSON ({e}): use a dict, list, str, int, finite float, bool or None "
@@ -314,7 +316,7 @@ def encode_payload_array(payloads: Iterable[object]) -> str:
     if not all(isinstance(p, dict) for p in items):
         _encode_each(items)
     try:
-        body = _payload_json(items)
+        body = stored_json(items)
     except (TypeError, ValueError) as e:
         _encode_each(items)
         raise InvalidPayloadError(f"payloads are not JSON-serialisable ({e})") from None

@@ -11,7 +11,6 @@ dropped while the database is away.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import anyio
 from psycopg import AsyncConnection
 
-from .._checks import storable_text
+from .._checks import compact_json, storable_text
 from .._db.database import Database
 from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, RetryPolicy
@@ -45,10 +44,10 @@ def encode_outcomes(batch: list[Outcome]) -> str:
     # fail the whole flush, every time it is retried.
     rows = [[o.job_id, o.attempt, o.kind, o.delay, storable_text(o.error)] for o in batch]
     if all(o.result is None for o in batch):
-        return json.dumps(rows, separators=(",", ":"))
+        return compact_json(rows)
     return "[" + ",".join(
-        json.dumps(r, separators=(",", ":"))[:-1] + "," + o.result + "]"
-        if o.result is not None else json.dumps(r, separators=(",", ":"))
+        compact_json(r)[:-1] + "," + o.result + "]" if o.result is not None
+        else compact_json(r)
         for r, o in zip(rows, batch, strict=True)) + "]"
 
 

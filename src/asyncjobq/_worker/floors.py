@@ -30,11 +30,12 @@ the rules above exclude.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
+
+from .._checks import compact_json
 
 # A floor of +infinity: nothing queued in the lane at or past the old floor.
 TOP = (datetime.max.replace(tzinfo=UTC), 0)
@@ -92,9 +93,9 @@ class Floors:
         lanes = sorted(((q, p, f) for q, ps in self._lanes.items() for p, f in ps.items()),
                        key=lambda x: -x[1])
         # A floor at the bottom goes as null, which the claim reads as -infinity.
-        return token, token % PEEK_EVERY == 0, json.dumps(
+        return token, token % PEEK_EVERY == 0, compact_json(
             [[q, p, None if f[0] <= BOTTOM[0] else f[0].isoformat(), f[1]]
-             for q, p, f in lanes], separators=(",", ":"))
+             for q, p, f in lanes])
 
     def abandon(self, token: int) -> None:
         """The claim failed: what it would have told is unknown, the floors stay as they are."""
