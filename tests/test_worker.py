@@ -761,3 +761,48 @@ async def test_the_payload_is_read_with_the_apps_json_loader(queue: Queue) -> No
         set_json_loads(json.loads)
     assert seen == [{**payload, "amount": Decimal("19.99")}]
     assert isinstance(seen[0]["amount"], Decimal)
+
+
+async def test_the_payload_is_read_with_a_jsonb_loader_the_app_registered(queue: Queue) -> None:
+    """A loader class the app registers for jsonb on psycopg's global adapters is what reads
+    job.payload: the worker's faster loader (_db/jsonload.py) stands aside for it. Without
+    such a loader, the worker's own connections read jsonb with the faster one, which gives
+    what psycopg's would, text outside ASCII included."""
+    import json
+    from typing import Any
+
+    from psycopg.types.json import JsonbLoader
+
+    from asyncjobq._db import jsonload
+
+    class Tagged(JsonbLoader):
+        def load(self, data: Any) -> Any:
+            return {"tagged": json.loads(bytes(data))}
+
+    seen: list[dict[str, object]] = []
+
+    @queue.task(name="t")
+    async def t(job: Job) -> None:
+        seen.append(job.payload)
+
+    payload = {"name": "Zoë 名前 🙂", "n": [1.5, None, True, {"k": "ä"}]}
+    await queue.enqueue("t", {"first": 1})
+    async with running(Worker(queue)) as w:
+        await wait_for(lambda: len(seen) == 1, 10, what="the first job run")
+        # The worker's own connections: the faster loader, same values.
+        assert w.fetcher is not None  # its first claim was made on its own connection
+        own = w.fetcher._own._conn
+        assert own is not None and own.adapters.get_loader(
+            own.adapters.types["jsonb"].oid, psycopg.pq.Format.TEXT) is jsonload.FastJsonbLoader
+    assert seen == [{"first": 1}]
+    text = json.dumps(payload, ensure_ascii=False).encode()
+    assert jsonload.FastJsonbLoader(3802).load(memoryview(text)) == JsonbLoader(3802).load(text)
+
+    await queue.enqueue("t", payload)
+    psycopg.adapters.register_loader("jsonb", Tagged)
+    try:
+        async with running(Worker(queue)):
+            await wait_for(lambda: len(seen) == 2, 10, what="the second job run")
+    finally:
+        psycopg.adapters.register_loader("jsonb", JsonbLoader)
+    assert seen[1] == {"tagged": payload}

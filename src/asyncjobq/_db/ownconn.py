@@ -26,9 +26,10 @@ from typing import Any
 
 import anyio
 import psycopg
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, AsyncCursor
 
 from .._db.database import Database
+from . import jsonload
 
 
 class OwnConnection:
@@ -39,6 +40,9 @@ class OwnConnection:
         self._role = role
         self._generic_plans = generic_plans
         self._conn: AsyncConnection[Any] | None = None
+        # One cursor for every statement on it: a new one per execute costs its set-up and
+        # its loaders' (about 20 us of the worker's CPU a statement, benchmarks/results/PROFILE.md).
+        self._cursor: AsyncCursor[Any] | None = None
         self.active = False
         # One user at a time: a service's turn and a direct call of it (Reaper.reap) would
         # otherwise share the connection, nest their transactions, or close it under the other.
@@ -71,11 +75,21 @@ class OwnConnection:
                 await self._close()
                 raise
 
+    def cursor(self, conn: AsyncConnection[Any]) -> AsyncCursor[Any]:
+        """A cursor of `conn`: the one kept for its own connection, a new one for another
+        (a pooled connection, outside the loop)."""
+        if conn is not self._conn:
+            return conn.cursor()
+        if self._cursor is None:
+            self._cursor = conn.cursor()
+        return self._cursor
+
     async def _connect(self) -> AsyncConnection[Any]:
         q = self._db
         conn = await AsyncConnection.connect(
             q.dsn, autocommit=True, connect_timeout=max(1, int(q.connect_timeout)),
             application_name=f"{q.application_name}-{self._role}", **q.connect_options())
+        jsonload.install(conn)
         if not self._generic_plans or q.pooled:
             # Behind a transaction pooler a session setting would stay on whichever server
             # connection ran it (another client's next): plans are made for each execution.
@@ -98,6 +112,7 @@ class OwnConnection:
 
     async def _close(self) -> None:
         conn, self._conn = self._conn, None
+        self._cursor = None
         if conn is not None:
             with anyio.CancelScope(shield=True):
                 await conn.close()

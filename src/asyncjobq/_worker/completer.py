@@ -11,6 +11,7 @@ dropped while the database is away.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from psycopg import AsyncConnection
+from psycopg import AsyncCursor
 
 from .._checks import compact_json, storable_text
 from .._db.database import Database
@@ -94,7 +95,9 @@ class Completer:
         # by the flush that took it, and by no other.
         self._inflight: list[list[Outcome]] = []
         self._first_at = 0.0
-        self._changed = anyio.Event()
+        # asyncio's own events, not anyio's: a fresh one per change, a few a flush, and anyio's
+        # wrapper costs several times its construction and wait.
+        self._changed = asyncio.Event()
         self._waiters = 0
         self.refused = 0
         # Kinds of database error the lanes have logged since their last write: one warning
@@ -152,15 +155,18 @@ class Completer:
 
     def _signal(self) -> None:
         # A fresh event per change, so that no waiter can miss one (lanes wait concurrently).
-        changed, self._changed = self._changed, anyio.Event()
+        changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
     async def _wait_changed(self, timeout: float = math.inf) -> None:
         changed = self._changed
         self._waiters += 1
         try:
-            with anyio.move_on_after(timeout):
+            if timeout == math.inf:  # no cancel scope: lanes wait so once a flush
                 await changed.wait()
+            else:
+                with anyio.move_on_after(timeout):
+                    await changed.wait()
         finally:
             self._waiters -= 1
 
@@ -252,10 +258,11 @@ class Completer:
         try:
             conn_cm = own.connection() if own is not None else self._db.connection()
             async with conn_cm as conn:
+                cur = own.cursor(conn) if own is not None else conn.cursor()
                 if claim is None:
-                    accepted = await self._set_outcomes(conn, params, plain, gen)
+                    accepted = await self._set_outcomes(cur, params, plain, gen)
                 else:
-                    accepted = await self._set_outcomes_then_claim(conn, params, claim)
+                    accepted = await self._set_outcomes_then_claim(cur, params, claim)
                     claim = None  # committed and handed out, whatever follows
                 if gen is not None and len(accepted) < len(batch):
                     # A job the leader's rotation moved while it ran is in the other
@@ -264,7 +271,7 @@ class Completer:
                     again = [o for o in batch if o.job_id not in accepted]
                     try:
                         accepted |= await self._set_outcomes(
-                            conn, {**params, "outcomes": encode_outcomes(again)}, plain, None)
+                            cur, {**params, "outcomes": encode_outcomes(again)}, plain, None)
                     except RETRYABLE:
                         later = again
             written = True
@@ -302,17 +309,17 @@ class Completer:
         f = self._fetcher
         return f.gen_of.get((o.job_id, o.attempt)) if f is not None else None
 
-    async def _set_outcomes(self, conn: AsyncConnection[Any], params: dict[str, object],
+    async def _set_outcomes(self, cur: AsyncCursor[Any], params: dict[str, object],
                             plain: int = ANY_OUTCOMES, gen: int | None = None) -> set[int]:
         st = self._db.sql_of(gen, plain)
-        cur = await conn.execute(st.job_set_outcome_if_running_many, params)
+        await cur.execute(st.job_set_outcome_if_running_many, params)
         return {int(r[0]) for r in await cur.fetchall()}
 
     async def _set_outcomes_then_claim(
-        self, conn: AsyncConnection[Any], params: dict[str, object], claim: FoldedClaim,
+        self, cur: AsyncCursor[Any], params: dict[str, object], claim: FoldedClaim,
     ) -> set[int]:
         assert self._fetcher is not None
-        cur = await conn.execute(claim.query, {**params, **claim.params})
+        await cur.execute(claim.query, {**params, **claim.params})
         rows = await cur.fetchall()
         # true: a claimed job; false: an accepted outcome; NULL: a marker row (a limited
         # claim's held rows, a claim's floors).

@@ -9,6 +9,7 @@ until the flush returns, so the two never claim past concurrency.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import json
 import logging
@@ -72,7 +73,8 @@ class Wakeup:
     MAX_ALARMS = 1024
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
+        # asyncio's event, not anyio's: made anew after every wait (see completer.py).
+        self._event = asyncio.Event()
         self._alarms: list[float] = []  # monotonic times, a heap
 
     def set(self) -> None:
@@ -99,7 +101,7 @@ class Wakeup:
         now = time.monotonic()
         while self._alarms and self._alarms[0] <= now:
             heapq.heappop(self._alarms)
-        self._event = anyio.Event()
+        self._event = asyncio.Event()
 
 
 class FoldedClaim(NamedTuple):
@@ -164,7 +166,7 @@ class Fetcher:
         # rows is claimed alone, so that only the row whose reply cannot arrive is charged.
         self._narrow = 0
         self.wakeup = Wakeup()
-        self.slot_freed = anyio.Event()
+        self.slot_freed = asyncio.Event()  # set by every job's end: asyncio's, cheaper
         self.stopping = False
         self.claimed = 0
         # Slots promised to a claim folded into a flush that is still in flight.
@@ -395,7 +397,8 @@ class Fetcher:
                  st.job_claim_many_queues_from_floors_peek)),
                 limit)
             try:
-                cur = await conn.execute(query, params)
+                cur = self._own.cursor(conn)
+                await cur.execute(query, params)
                 rows = await cur.fetchall()
             except BaseException:
                 if token is not None:
@@ -576,7 +579,7 @@ class Fetcher:
             free = self._free()
             if free <= 0 or self._defer():
                 await self.slot_freed.wait()
-                self.slot_freed = anyio.Event()
+                self.slot_freed = asyncio.Event()
                 continue
             limit = 1 if self._narrow else min(self._batch_size, free)
             try:
