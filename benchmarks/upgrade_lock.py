@@ -1,9 +1,11 @@
-"""What `install` of version 13 (jobs partitioned by generation) locks, and for how long, on a
-schema of version 12 holding 1,000,000 queued jobs (plus 1,000 with a dedup_key, 1 % failed):
+"""What `install` locks, and for how long, on a schema of version --at (12 by default: the
+install of 13, jobs partitioned by generation, and what follows) holding 1,000,000 queued jobs
+(plus 1,000 with a dedup_key, 1 % failed):
 
     ASYNCJOBQ_DSN=postgresql://... .venv/bin/python -m benchmarks.upgrade_lock [--jobs 1000000]
+        [--at 13]
 
-The version-12 schema is made by this tree's own migrations up to 12. While `install` runs, a
+The schema at --at is made by this tree's own migrations up to it. While `install` runs, a
 reader runs the claim's scan of jobs every 10 ms: its longest wait is how long claims,
 completions and enqueues stop. Prints one line per run; run it 3 times for medians.
 """
@@ -25,12 +27,12 @@ from asyncjobq._db import migrations
 SCHEMA = "bench_upgrade13"
 
 
-async def main(dsn: str, jobs: int) -> None:
+async def main(dsn: str, jobs: int, at: int) -> None:
     s = sql.Identifier(SCHEMA)
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(s))
     every = migrations.available
-    migrations.available = lambda: [m for m in every() if m.version <= 12]  # type: ignore[assignment]
+    migrations.available = lambda: [m for m in every() if m.version <= at]  # type: ignore[assignment]
     q = Queue(dsn, schema=SCHEMA)
     async with q:
         await q.install()
@@ -44,7 +46,8 @@ async def main(dsn: str, jobs: int) -> None:
         c.execute(sql.SQL("UPDATE {}.jobs SET status = 'failed', finished_at = now()"
                           " WHERE id % 100 = 0").format(s))
         c.execute(sql.SQL("VACUUM ANALYZE {}.jobs").format(s))
-        mb = c.execute("SELECT pg_total_relation_size(%s::regclass) / 1e6",
+        mb = c.execute("SELECT sum(pg_total_relation_size(relid)) / 1e6"
+                       " FROM pg_partition_tree(%s::regclass)",
                        (f'"{SCHEMA}".jobs',)).fetchone()
     waits: list[float] = []
     stop = threading.Event()
@@ -81,5 +84,6 @@ async def main(dsn: str, jobs: int) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=1_000_000)
+    p.add_argument("--at", type=int, default=12, help="the version the schema is at before")
     a = p.parse_args()
-    asyncio.run(main(os.environ["ASYNCJOBQ_DSN"], a.jobs))
+    asyncio.run(main(os.environ["ASYNCJOBQ_DSN"], a.jobs, a.at))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 
 import psycopg
@@ -137,6 +138,27 @@ async def test_a_failed_job_with_a_held_key_is_not_requeued(queue: Queue) -> Non
                              " WHERE id = %s", old)
 
 
+async def test_a_keys_holder_follows_its_status_changes(queue: Queue) -> None:
+    """One trigger (0014_key_trigger.sql) frees the key of a job that stops being live and
+    takes it for one that becomes live again, whichever columns a statement sets."""
+    async def holder() -> int | None:
+        return await fetchval(queue, "SELECT job_id FROM {s}.job_keys WHERE dedup_key = 'k'")
+
+    job = await queue.enqueue("t", {}, dedup_key="k")
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', locked_by = 'w',"
+                         " attempts = 1 WHERE id = %s", job)  # live to live: kept
+    assert await holder() == job
+    await execute(queue, "UPDATE {s}.jobs SET status = 'cancelled' WHERE id = %s", job)
+    assert await holder() is None
+    await execute(queue, "UPDATE {s}.jobs SET status = 'queued' WHERE id = %s", job)
+    assert await holder() == job
+    assert await queue.enqueue("t", {}, dedup_key="k") == job
+    assert [n for (n,) in await _rows(queue, "SELECT tgname FROM pg_trigger WHERE tgrelid ="
+                                             " '{s}.jobs'::regclass AND tgname LIKE 'jobs_key%%'"
+                                             " ORDER BY 1")] == [
+        "jobs_key_delete", "jobs_key_insert", "jobs_key_update"]
+
+
 async def test_a_switch_waits_for_no_lock_and_changes_nothing_without_it(
         queue: Queue, pg_dsn: str) -> None:
     await queue.enqueue("t", {})
@@ -262,7 +284,7 @@ async def test_version_12_upgrades_keeping_every_job_its_id_and_key(
         await execute(q, "DELETE FROM {s}.jobs WHERE id > 990")  # drawn, gone
         before = {int(i): s for i, s in await _rows(q, "SELECT id, status::text FROM {s}.jobs")}
         monkeypatch.setattr(migrations, "available", lambda: every)
-        assert await q.install() == [13]
+        assert await q.install() == [m.version for m in every if m.version > 12]
         after = await _where(q)
         assert {i: s for i, (_, s) in after.items()} == before
         assert {g for g, _ in after.values()} == {0}
@@ -287,3 +309,50 @@ async def test_a_bad_rotation_setting_is_refused_saying_what_to_give(
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigurationError, match=f"{name}={value!r}: "):
         Rotation(queue.database)
+
+
+async def test_an_install_ended_by_a_deadlock_is_tried_again(
+        pg_dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 14 changes triggers of `jobs`, which locks it and then its partitions. A
+    session that holds a partition and then reads `jobs` (a limited claim does) closes a cycle;
+    PostgreSQL ends the install's transaction, and install tries it again once the other
+    session is done, instead of failing (migrations.DEADLOCK_TRIES)."""
+    import threading
+
+    from asyncjobq._db import migrations
+
+    every = migrations.available()
+    monkeypatch.setattr(migrations, "available", lambda: [m for m in every if m.version <= 13])
+    q = Queue(pg_dsn, schema=schema)
+    s = sql.Identifier(schema)
+    read: list[int] = []
+    holding = threading.Event()
+
+    def other_session() -> None:
+        with psycopg.connect(pg_dsn) as c, psycopg.connect(pg_dsn, autocommit=True) as look:
+            # This session never runs the deadlock check first: the install's does.
+            c.execute("SET deadlock_timeout = '20s'")
+            c.execute(sql.SQL("UPDATE {}.jobs_0 SET priority = 0 WHERE false").format(s))
+            holding.set()
+            deadline = time.monotonic() + 10
+            while not look.execute(
+                    "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted"
+                    " AND relation = %s::regclass)", (f'"{schema}".jobs_0',)).fetchone()[0]:
+                assert time.monotonic() < deadline, "the install never waited for jobs_0"
+                time.sleep(0.01)
+            read.append(c.execute(sql.SQL("SELECT count(*) FROM {}.jobs").format(s)
+                                  ).fetchone()[0])
+            c.rollback()
+
+    async with q:
+        assert await q.install() == list(range(1, 14))
+        monkeypatch.setattr(migrations, "available", lambda: every)
+        thread = threading.Thread(target=other_session)
+        thread.start()
+        try:
+            await asyncio.to_thread(holding.wait, 10)
+            applied = await q.install()
+        finally:
+            await asyncio.to_thread(thread.join)
+    assert read == [0]  # the other session was not the one ended
+    assert applied == [m.version for m in every if m.version > 13]

@@ -71,11 +71,29 @@ def _refuse_newer(done: set[int], schema: str) -> None:
         )
 
 
+# Installs that PostgreSQL ended as one side of a deadlock, tried again before giving up. A
+# migration that changes `jobs` locks it and its partitions; a statement of a running worker
+# can hold one partition and want another table of the set (a limited claim reads `jobs` while
+# it updates its partition), and the deadlock detector ends one of the two after
+# deadlock_timeout. The install's transaction is rolled back whole: trying it again is safe.
+DEADLOCK_TRIES = 3
+
+
 async def apply(conn: psycopg.AsyncConnection[Any], schema: str) -> list[int]:
     """Apply the missing migrations in one transaction; returns the versions applied.
 
     The advisory lock serialises concurrent installs (CREATE SCHEMA IF NOT EXISTS alone races).
     """
+    for attempt in range(1, DEADLOCK_TRIES + 1):
+        try:
+            return await _apply(conn, schema)
+        except psycopg.errors.DeadlockDetected:
+            if attempt == DEADLOCK_TRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _apply(conn: psycopg.AsyncConnection[Any], schema: str) -> list[int]:
     st = statements(schema)
     applied: list[int] = []
     async with conn.transaction():
