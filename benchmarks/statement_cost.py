@@ -80,6 +80,17 @@ def _append_count(text: str) -> str:
     return text[:i] + head + text[k:]
 
 
+def _lean_done(text: str) -> str:
+    """Upper bound of a done flush without the `locked` and `mine` CTEs: the DELETE finds its
+    rows by the outcomes' ids and attempts directly (no lock order of its own)."""
+    i = text.find(" locked AS MATERIALIZED (")
+    j = text.find(" finished AS (")
+    text = text[:i] + text[j:]
+    return text.replace("ANY(ARRAY(SELECT id FROM mine WHERE arch))",
+                        "ANY(ARRAY(SELECT id FROM o)) AND (j.id, j.attempts) IN"
+                        " (SELECT id, attempt FROM o)", 1)
+
+
 def _drop(kind: str, *names: str) -> str:
     on = " ON {s}.jobs" if kind == "TRIGGER" else ""
     return "".join(f"DROP {kind} {'' if on else '{s}.'}{n}{on};" for n in names)
@@ -94,23 +105,30 @@ VARIANTS = {v.name: v for v in [
     Variant("no-partial-indexes", _drop(
         "INDEX", "jobs_failed_id_idx", "jobs_failed_browse_idx", "jobs_flow_running_idx",
         "jobs_key_queued_idx", "jobs_key_retrying_idx", "jobs_dedup_idx")),
-    Variant("no-key-triggers", _drop("TRIGGER", "jobs_key_insert", "jobs_key_requeue",
-                                     "jobs_key_delete", "jobs_key_end")),
+    Variant("no-key-triggers", _drop("TRIGGER", "jobs_key_insert", "jobs_key_update",
+                                     "jobs_key_delete")),
     Variant("no-row-triggers", _drop(
-        "TRIGGER", "jobs_key_insert", "jobs_key_requeue", "jobs_key_delete", "jobs_key_end",
+        "TRIGGER", "jobs_key_insert", "jobs_key_update", "jobs_key_delete",
         "jobs_parent_ended_delete", "jobs_parent_ended_failed")),
     Variant("no-delete-triggers", _drop("TRIGGER", "jobs_parent_ended_delete",
                                         "jobs_key_delete")),
-    Variant("no-update-triggers", _drop("TRIGGER", "jobs_key_requeue", "jobs_key_end",
+    Variant("no-update-triggers", _drop("TRIGGER", "jobs_key_update",
                                         "jobs_parent_ended_failed")),
-    # The key's two UPDATE triggers as one AFTER trigger (its condition only: no key here).
-    Variant("merged-update-trigger", _drop("TRIGGER", "jobs_key_requeue", "jobs_key_end") + (
-        "CREATE TRIGGER jobs_key_update AFTER UPDATE OF status, finished_at ON {s}.jobs"
-        " FOR EACH ROW WHEN (NEW.dedup_key IS NOT NULL AND (OLD.status IN ('queued', 'running'))"
-        " <> (NEW.status IN ('queued', 'running'))) EXECUTE FUNCTION {s}.jobs_key_free();")),
+    # The key's UPDATE trigger as version 13 had it: a BEFORE one to take the key, an AFTER
+    # one to free it (0013_generations.sql); 0014_key_trigger.sql made them one.
+    Variant("split-update-triggers", _drop("TRIGGER", "jobs_key_update") + (
+        "CREATE TRIGGER jobs_key_requeue BEFORE UPDATE OF status, finished_at ON {s}.jobs"
+        " FOR EACH ROW WHEN (NEW.dedup_key IS NOT NULL AND OLD.status::text NOT IN"
+        " ('queued', 'running') AND NEW.status::text IN ('queued', 'running'))"
+        " EXECUTE FUNCTION {s}.jobs_key_take();"
+        "CREATE TRIGGER jobs_key_end AFTER UPDATE OF status, finished_at ON {s}.jobs"
+        " FOR EACH ROW WHEN (OLD.dedup_key IS NOT NULL AND OLD.status::text IN"
+        " ('queued', 'running') AND NEW.status::text NOT IN ('queued', 'running'))"
+        " EXECUTE FUNCTION {s}.jobs_key_free();")),
     Variant("append-count",
             "CREATE TABLE {s}.history_count_log (queue text, status {s}.job_status, n bigint);",
             edit=_append_count),
+    Variant("lean-done", edit=_lean_done, outcomes=DONE_OUTCOMES),
     Variant("no-count", edit=_cut(" counted AS (", " updated AS (", " claimed AS (")),
     Variant("done-only", outcomes=DONE_OUTCOMES),
 ]}
