@@ -757,9 +757,13 @@ async def test_the_payload_is_read_with_the_apps_json_loader(queue: Queue) -> No
     try:
         async with running(Worker(queue)):
             await wait_for(lambda: len(seen) == 1, 10, what="the job run")
+            # Set again while the worker runs: its connections' next reads use it too.
+            set_json_loads(lambda data: {"late": json.loads(data)})
+            await queue.enqueue("t", {"n": 2})
+            await wait_for(lambda: len(seen) == 2, 10, what="the second job run")
     finally:
         set_json_loads(json.loads)
-    assert seen == [{**payload, "amount": Decimal("19.99")}]
+    assert seen == [{**payload, "amount": Decimal("19.99")}, {"late": {"n": 2}}]
     assert isinstance(seen[0]["amount"], Decimal)
 
 
@@ -806,3 +810,32 @@ async def test_the_payload_is_read_with_a_jsonb_loader_the_app_registered(queue:
     finally:
         psycopg.adapters.register_loader("jsonb", JsonbLoader)
     assert seen[1] == {"tagged": payload}
+
+
+async def test_a_fetcher_cancelled_with_a_slot_freed_claims_nothing_more(queue: Queue) -> None:
+    """A worker torn down by cancelling its task group, not by stop(), while a job's end has
+    just freed a slot: the fetcher's next claim would be cut off once sent and leave its rows
+    running under a worker that is gone, until the lease. The fetcher looks for the cancel
+    before it claims: the jobs stay queued."""
+    free = [3]
+
+    def free_slots() -> int:
+        value = free[0]
+        free[0] = 3  # the next look finds slots free again
+        return value
+
+    f = Fetcher(queue.database, "w", ["default"], batch_size=3, concurrency=3,
+                poll_interval=30, free_slots=free_slots, dispatch=lambda job: None)
+    f.gen = 0
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(f.run)
+        await wait_for(lambda: f._own._conn is not None, 10, what="the first claim")
+        await asyncio.sleep(0.2)  # that claim came back empty: waiting for a wake-up now
+        for _ in range(3):
+            await queue.enqueue("t", {})
+        free[0] = 0
+        f.slot_freed.set()  # a job's end, then the cancel, with no await between
+        f.wakeup.set()
+        tg.cancel_scope.cancel()
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE status = 'queued'") == 3
+    assert not f._suspect

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import anyio
+import anyio.lowlevel
 import psycopg
 from psycopg_pool import PoolTimeout
 
@@ -576,6 +577,10 @@ class Fetcher:
     async def _run(self) -> None:
         retry = RetryPolicy(log, "claiming jobs")
         while not self.stopping:
+            # Waiting on an asyncio event that is already set does not yield: without this, a
+            # fetcher whose task group was cancelled (not stop()) could still send a claim, cut
+            # off once sent, and leave its rows running under a worker gone until the lease.
+            await anyio.lowlevel.checkpoint_if_cancelled()
             free = self._free()
             if free <= 0 or self._defer():
                 await self.slot_freed.wait()

@@ -4,11 +4,15 @@
 -- Every claim updates the rows it takes (queued -> running), so every claim fired both: each
 -- statement parsed and compiled their WHEN clauses, and the BEFORE one fetched and locked every
 -- row again before it was updated (PostgreSQL does so for any BEFORE UPDATE row trigger, whatever
--- its WHEN). As one AFTER trigger the worker's flush costs the server about 2 us a job less at
--- batch 10 (benchmarks/statement_cost.py, variant merged-update-trigger). What it does is the
+-- its WHEN). As one AFTER trigger the worker's flush costs the server about 1.4 us a job less at
+-- batch 10 (benchmarks/statement_cost.py, variant split-update-triggers). What it does is the
 -- same: a failed job requeued takes its key again, or the statement fails with unique_violation
 -- (an AFTER trigger's error ends the statement as the BEFORE one's did); a job that stops being
 -- queued or running frees it. Rows that rotate_jobs moves are left alone (`asyncjobq.moving`).
+-- One difference, for a statement of yours only (none of ours does it): one UPDATE that ends a
+-- live job and requeues a failed one of the same key now passes the key when the end's row is
+-- updated first; the BEFORE trigger took it before any end of the statement freed it, and the
+-- statement always failed.
 SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', true);
 
 CREATE FUNCTION jobs_key_update() RETURNS trigger LANGUAGE plpgsql

@@ -3,6 +3,7 @@ wheel), applied in order under an advisory lock."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -90,6 +91,8 @@ async def apply(conn: psycopg.AsyncConnection[Any], schema: str) -> list[int]:
         except psycopg.errors.DeadlockDetected:
             if attempt == DEADLOCK_TRIES:
                 raise
+            # The other side's statement gets a moment to end before the locks are asked again.
+            await asyncio.sleep(0.2 * attempt)
     raise AssertionError("unreachable")
 
 
