@@ -41,7 +41,7 @@ class OwnConnection:
         self._generic_plans = generic_plans
         self._conn: AsyncConnection[Any] | None = None
         # One cursor for every statement on it: a new one per execute costs its set-up and
-        # its loaders' (about 20 us of the worker's CPU a statement, benchmarks/results/PROFILE.md).
+        # its loaders' (about 20 us of the worker's CPU a statement, benchmarks/results/PINNED.md).
         self._cursor: AsyncCursor[Any] | None = None
         self.active = False
         # One user at a time: a service's turn and a direct call of it (Reaper.reap) would

@@ -162,7 +162,7 @@ class Completer:
         changed = self._changed
         self._waiters += 1
         try:
-            if timeout == math.inf:  # no cancel scope: lanes wait so once a flush
+            if timeout == math.inf:  # no cancel scope: a lane waits so once per flush
                 await changed.wait()
             else:
                 with anyio.move_on_after(timeout):
