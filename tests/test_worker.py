@@ -829,8 +829,10 @@ async def test_a_fetcher_cancelled_with_a_slot_freed_claims_nothing_more(queue: 
     f.gen = 0
     async with anyio.create_task_group() as tg:
         tg.start_soon(f.run)
-        await wait_for(lambda: f._own._conn is not None, 10, what="the first claim")
-        await asyncio.sleep(0.2)  # that claim came back empty: waiting for a wake-up now
+        # Its connection is open and its lock free: the first claim came back empty, and the
+        # fetcher went on to wait for a wake-up without yielding in between.
+        await wait_for(lambda: f._own._conn is not None and not f._own._lock.locked(), 10,
+                       what="the first claim")
         for _ in range(3):
             await queue.enqueue("t", {})
         free[0] = 0
