@@ -120,11 +120,11 @@ VARIANTS = {v.name: v for v in [
         "CREATE TRIGGER jobs_key_requeue BEFORE UPDATE OF status, finished_at ON {s}.jobs"
         " FOR EACH ROW WHEN (NEW.dedup_key IS NOT NULL AND OLD.status::text NOT IN"
         " ('queued', 'running') AND NEW.status::text IN ('queued', 'running'))"
-        " EXECUTE FUNCTION {s}.jobs_key_take();"
+        " EXECUTE FUNCTION {s}.jobs_key_follow();"
         "CREATE TRIGGER jobs_key_end AFTER UPDATE OF status, finished_at ON {s}.jobs"
         " FOR EACH ROW WHEN (OLD.dedup_key IS NOT NULL AND OLD.status::text IN"
         " ('queued', 'running') AND NEW.status::text NOT IN ('queued', 'running'))"
-        " EXECUTE FUNCTION {s}.jobs_key_free();")),
+        " EXECUTE FUNCTION {s}.jobs_key_follow();")),
     Variant("append-count",
             "CREATE TABLE {s}.history_count_log (queue text, status {s}.job_status, n bigint);",
             edit=_append_count),

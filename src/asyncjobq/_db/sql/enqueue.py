@@ -30,7 +30,7 @@ class EnqueueStatements(Role):
     def _job_insert(self, *, traced: bool, keyed: bool = False) -> Statement:
         # A live duplicate dedup_key returns the existing job's id (and false: not a new job,
         # for on_enqueued): the insert's trigger inserts no row when a live job holds the key
-        # (jobs_key_take, 0013_generations.sql); when that job was committed after this
+        # (jobs_key_follow, 0014_key_trigger.sql); when that job was committed after this
         # statement's snapshot, no id comes back and the caller runs it again.
         return _q(
             "WITH ins AS ("
