@@ -125,6 +125,22 @@ VARIANTS = {v.name: v for v in [
         " FOR EACH ROW WHEN (OLD.dedup_key IS NOT NULL AND OLD.status::text IN"
         " ('queued', 'running') AND NEW.status::text NOT IN ('queued', 'running'))"
         " EXECUTE FUNCTION {s}.jobs_key_follow();")),
+    # The key's triggers with version 14's WHEN clauses, which tested the statuses too
+    # (0015_key_when.sql cut them to the key's presence; its function tests the rest).
+    Variant("status-when", _drop("TRIGGER", "jobs_key_insert", "jobs_key_update",
+                                 "jobs_key_delete") + (
+        "CREATE TRIGGER jobs_key_insert BEFORE INSERT ON {s}.jobs FOR EACH ROW WHEN"
+        " (NEW.dedup_key IS NOT NULL AND NEW.status::text IN ('queued', 'running'))"
+        " EXECUTE FUNCTION {s}.jobs_key_follow();"
+        "CREATE TRIGGER jobs_key_update AFTER UPDATE OF status, finished_at ON {s}.jobs"
+        " FOR EACH ROW WHEN ((OLD.dedup_key IS NOT NULL AND OLD.status::text IN"
+        " ('queued', 'running') AND NEW.status::text NOT IN ('queued', 'running'))"
+        " OR (NEW.dedup_key IS NOT NULL AND OLD.status::text NOT IN ('queued', 'running')"
+        " AND NEW.status::text IN ('queued', 'running')))"
+        " EXECUTE FUNCTION {s}.jobs_key_follow();"
+        "CREATE TRIGGER jobs_key_delete AFTER DELETE ON {s}.jobs FOR EACH ROW WHEN"
+        " (OLD.dedup_key IS NOT NULL AND OLD.status::text IN ('queued', 'running'))"
+        " EXECUTE FUNCTION {s}.jobs_key_follow();")),
     Variant("append-count",
             "CREATE TABLE {s}.history_count_log (queue text, status {s}.job_status, n bigint);",
             edit=_append_count),
