@@ -140,7 +140,8 @@ async def test_a_failed_job_with_a_held_key_is_not_requeued(queue: Queue) -> Non
 
 async def test_a_keys_holder_follows_its_status_changes(queue: Queue) -> None:
     """One trigger (0014_key_trigger.sql) frees the key of a job that stops being live and
-    takes it for one that becomes live again, whichever columns a statement sets."""
+    takes it for one that becomes live again, whichever columns a statement sets; its WHEN
+    (0015_key_when.sql) leaves only a claim out, and the function decides the rest."""
     async def holder() -> int | None:
         return await fetchval(queue, "SELECT job_id FROM {s}.job_keys WHERE dedup_key = 'k'")
 
@@ -148,15 +149,61 @@ async def test_a_keys_holder_follows_its_status_changes(queue: Queue) -> None:
     await execute(queue, "UPDATE {s}.jobs SET status = 'running', locked_by = 'w',"
                          " attempts = 1 WHERE id = %s", job)  # live to live: kept
     assert await holder() == job
+    await execute(queue, "UPDATE {s}.jobs SET status = 'queued', finished_at = NULL"
+                         " WHERE id = %s", job)  # a retry, live to live: kept
+    assert await holder() == job
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running' WHERE id = %s", job)
     await execute(queue, "UPDATE {s}.jobs SET status = 'cancelled' WHERE id = %s", job)
     assert await holder() is None
     await execute(queue, "UPDATE {s}.jobs SET status = 'queued' WHERE id = %s", job)
     assert await holder() == job
     assert await queue.enqueue("t", {}, dedup_key="k") == job
+    # A row inserted ended (by hand) takes no key; a delete of one frees none.
+    ended = await fetchval(queue, "INSERT INTO {s}.jobs (task, payload, status, dedup_key)"
+                                  " VALUES ('t', '{{}}', 'failed', 'k2') RETURNING id")
+    assert ended is not None
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.job_keys WHERE dedup_key = 'k2'") == 0
+    await execute(queue, "UPDATE {s}.jobs SET dedup_key = 'k' WHERE id = %s", ended)
+    await execute(queue, "DELETE FROM {s}.jobs WHERE id = %s", ended)
+    assert await holder() == job
+    # The update's WHEN tells an ended status by its place in the enum: every value but
+    # queued and running sorts after running.
+    assert await _rows(queue, "SELECT s FROM unnest(enum_range(NULL::{s}.job_status)) s"
+                              " WHERE s::text NOT IN ('queued', 'running')"
+                              " AND s <= 'running'") == []
     assert [n for (n,) in await _rows(queue, "SELECT tgname FROM pg_trigger WHERE tgrelid ="
                                              " '{s}.jobs'::regclass AND tgname LIKE 'jobs_key%%'"
                                              " ORDER BY 1")] == [
         "jobs_key_delete", "jobs_key_insert", "jobs_key_update"]
+
+
+async def test_batch_inserts_name_the_current_partition_and_follow_a_switch(
+        queue: Queue) -> None:
+    """Coalesced enqueues and enqueue_many go straight into the current generation's
+    partition (0016_partition_inserts.sql); after a switch, the statement that names the old
+    one inserts nothing and is sent again for the new one: each job once, in the current
+    partition, and a listener hears of it."""
+    first = await queue.enqueue("t", {})
+    assert queue._partitions is not None and queue._partitions.usable
+    assert (await _where(queue))[first] == (0, "queued")
+    assert await _rotate(queue) >= 1
+    assert await _gen(queue) == 1
+    async with queue.connection() as listener:
+        await listener.set_autocommit(True)
+        await listener.execute(sql.SQL("LISTEN {}").format(
+            sql.Identifier(f"{queue.schema}_jobs")))
+        ids = await queue.enqueue_many("t", [{"n": i} for i in range(3)], queue="other")
+        heard = await asyncio.wait_for(anext(listener.notifies()), timeout=10)
+    assert json.loads(heard.payload)["queue"] == "other"
+    assert queue._partitions.guess == 1
+    after = await queue.enqueue("t", {})
+    where = await _where(queue)
+    assert [where[i] for i in [*ids, after]] == [(1, "queued")] * 4
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 5
+    # Through jobs where the partitions cannot be named: the same rows, routed.
+    queue._partitions.usable = False
+    routed = await queue.enqueue_many("t", [{}, {}])
+    assert [(await _where(queue))[i] for i in routed] == [(1, "queued")] * 2
 
 
 async def test_a_switch_waits_for_no_lock_and_changes_nothing_without_it(

@@ -476,6 +476,8 @@ async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
         many = await producer.enqueue_many("ok", [{"n": 2}, {"n": 3}], queue="roles")
         notes = [n async for n in listener.notifies(timeout=5.0, stop_after=1)]
         assert len(notes) == 1, "one notification per statement"
+        # Granted INSERT on the partitions, its batches name them (inserter.PartitionWriter).
+        assert producer._partitions is not None and producer._partitions.usable
         keyed = await producer.enqueue_many("ok", [{"n": 7}, {"n": 8}], queue="roles",
                                             keys=["account:1", "account:1"])
         dedup = await producer.enqueue("ok", {"n": 4}, queue="roles", dedup_key="once")
@@ -509,7 +511,13 @@ async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
         async with producer.connection() as conn:
             await assert_denied(conn, schema, "INSERT INTO {s}.job_deps VALUES (1, 2)",
                                 "SELECT {s}.job_deps_settle(ARRAY[1]::bigint[], 'done', 1)")
-    job_ids = [first, *many, *keyed, dedup, by_sql, in_tx, *flow_ids]
+    # A producer granted INSERT on jobs alone (as before version 16) inserts through jobs.
+    async with Queue(as_role(pg_dsn, roles.owner), schema=schema) as owner:
+        await execute(owner, f"REVOKE INSERT ON {{s}}.jobs_1 FROM {roles.producer}")
+    async with Queue(as_role(pg_dsn, roles.producer), schema=schema) as narrow:
+        routed = await narrow.enqueue_many("ok", [{"n": 12}], queue="roles")
+        assert narrow._partitions is not None and narrow._partitions.usable is False
+    job_ids = [first, *many, *keyed, dedup, by_sql, in_tx, *flow_ids, *routed]
 
     # Worker: runs them (done, retried, failed), admin calls work, no DDL.
     wq = Queue(as_role(pg_dsn, roles.worker), schema=schema)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
+from operator import attrgetter
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -45,7 +46,7 @@ from ._checks import (
 from ._db import migrations
 from ._db.database import NOT_OPEN, Conn, Database
 from ._db.dsn import check_dsn, validate_schema
-from ._db.inserter import Inserter, write
+from ._db.inserter import Inserter, PartitionWriter, write
 from ._db.sql import Statement, Statements
 from ._maintenance.periodic import (
     Clock,
@@ -171,6 +172,7 @@ class Queue:
                             application_name=application_name)
         self.set_pooler(pooler, listen_dsn=listen_dsn)
         self._inserter: Inserter | None = None
+        self._partitions: PartitionWriter | None = None  # batch inserts, while open
         self.tasks: dict[str, Task] = {}
         # Periodic schedules by name (queue.periodic, @queue.task(cron=...)).
         self.schedules: dict[str, Schedule] = {}
@@ -489,6 +491,7 @@ class Queue:
         # Half the pool at most for coalesced enqueues: handlers and admin calls keep the rest.
         self._inserter = Inserter(self._write_rows,
                                   max_in_flight=max(1, self._db.pool_sizes[1] // 2))
+        self._partitions = PartitionWriter(self._db)
 
     async def close(self) -> None:
         """Wait for enqueues in flight and for `on_enqueued` hooks (up to `hooks.timeout`),
@@ -660,11 +663,12 @@ class Queue:
         # A traced row ends with its trace context's object (`}]`), an untraced one with
         # max_attempts (a digit): only a batch with a traced row writes the column.
         traced = any(r[-2] == "}" for r in rows)
-        result = await write(self._db, None,
-                             self.sql.job_insert_rows_traced if traced
-                             else self.sql.job_insert_rows,
-                             ("[" + ",".join(rows) + "]",), what="the job", resend=False,
-                             advice=_USE_DEDUP)
+        writer = self._partitions
+        if writer is None:
+            raise QueueClosedError(NOT_OPEN)
+        result = await writer.write(_ROWS_TRACED if traced else _ROWS,
+                                    ("[" + ",".join(rows) + "]",), what="the job",
+                                    advice=_USE_DEDUP)
         return [int(r[0]) for r in result]
 
     async def enqueue_many(
@@ -714,17 +718,19 @@ class Queue:
                             conn: Conn | None, trace: str | None,
                             key_array: str | None = None) -> list[int]:
         # One trace context for the batch: every job's attempts are children of its span.
-        statement, params = (
-            (self.sql.job_insert_many_keyed,
-             (name, q, prio, when, secs, attempts, trace, array, key_array))
+        which, params = (
+            ("keyed", (name, q, prio, when, secs, attempts, trace, array, key_array))
             if key_array is not None else
-            (self.sql.job_insert_many, (name, q, prio, when, secs, attempts, array))
+            ("plain", (name, q, prio, when, secs, attempts, array))
             if trace is None else
-            (self.sql.job_insert_many_traced,
-             (name, q, prio, when, secs, attempts, trace, array)))
-        rows = await write(self._db, conn, statement, params,
-                           what="the job" if n == 1 else f"the {n} jobs (all or none of them)",
-                           resend=False, advice=_MANY_UNSURE)
+            ("traced", (name, q, prio, when, secs, attempts, trace, array)))
+        what = "the job" if n == 1 else f"the {n} jobs (all or none of them)"
+        if conn is None and self._partitions is not None:
+            rows = await self._partitions.write(_MANY[which], params, what=what,
+                                                advice=_MANY_UNSURE)
+        else:
+            rows = await write(self._db, conn, _MANY[which](self.sql), params, what=what,
+                               resend=False, advice=_MANY_UNSURE)
         return [int(r[0]) for r in rows]
 
     def _defaults(
@@ -1115,6 +1121,14 @@ class Queue:
 PAUSE_SETTLE = 5.0
 
 # What to do when an enqueue's job may or may not have been written (inserter.write).
+# The batch inserts, picked from the Statements of jobs or of one partition (PartitionWriter).
+_ROWS: Callable[[Statements], Statement] = attrgetter("job_insert_rows")
+_ROWS_TRACED: Callable[[Statements], Statement] = attrgetter("job_insert_rows_traced")
+_MANY: dict[str, Callable[[Statements], Statement]] = {
+    "plain": attrgetter("job_insert_many"),
+    "traced": attrgetter("job_insert_many_traced"),
+    "keyed": attrgetter("job_insert_many_keyed"),
+}
 _USE_DEDUP = ("enqueueing it again may create it twice: pass a dedup_key to make that safe "
               "(enqueue then sends it again by itself)")
 _RESEND_DEDUP = ("enqueue it again with the same dedup_key: that returns the existing job's id "

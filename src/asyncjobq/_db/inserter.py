@@ -28,7 +28,7 @@ from psycopg_pool import PoolTimeout
 
 from ..errors import EnqueueConnectionError, EnqueueRefusedError, reason
 from .database import Conn, Database
-from .sql import Statement
+from .sql import Statement, Statements
 
 # Errors that one row can cause for the whole statement: a value PostgreSQL refuses (22xxx
 # data, 23xxx integrity), or rows too large together (54000, e.g. jsonb's 256 MB limit).
@@ -189,6 +189,62 @@ async def write(db: Database, conn: Conn | None, statement: Statement, params: A
             lost = reason(e)
             if not resend or time.monotonic() >= deadline:
                 raise _maybe_written(what, lost, advice) from None
+
+
+class PartitionWriter:
+    """Runs a batch insert on the current generation's partition of jobs (sql/enqueue.py,
+    `_gen`), so that PostgreSQL routes no row, and through `jobs` where it cannot.
+
+    Which generation is current changes only when the leader switches (rotate_jobs): the
+    writer guesses the last one that took its rows, and a statement that names the other one
+    inserts nothing, so it is sent again on the other. Named partitions need version 16 (their
+    notification trigger) and INSERT and SELECT (id) on both partitions, which a producer
+    granted them on jobs alone lacks (docs/guides/roles.md): the first batch reads both from the catalog, and
+    without them every batch goes through `jobs` as before. Only for the pool's connections:
+    a statement refused in a caller's transaction (conn=) would abort it.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self.guess = 0  # the generation that took the last batch
+        self.usable: bool | None = None  # None: not read yet
+
+    async def write(self, statement: Callable[[Statements], Statement], params: Any, *,
+                    what: str, advice: str) -> list[tuple[Any, ...]]:
+        """Run `statement` (of the Statements of a partition, or of jobs) without a caller's
+        connection; its rows, as `write` returns them (never none: a batch has rows)."""
+        if self.usable is None:
+            self.usable = await self._usable()  # None again if it could not be read
+        for _ in range(2) if self.usable else ():
+            part = self.guess
+            try:
+                rows = await write(self._db, None, statement(self._db.sql_of(part)), params,
+                                   what=what, resend=False, advice=advice)
+            except EnqueueRefusedError as e:
+                if e.sqlstate not in PARTITION_REFUSED:
+                    raise
+                self.usable = False  # privileges or schema changed since: through jobs
+                break
+            if rows:
+                return rows
+            self.guess = 1 - part  # the other one is current: nothing was inserted
+        return await write(self._db, None, statement(self._db.sql), params, what=what,
+                           resend=False, advice=advice)
+
+    async def _usable(self) -> bool | None:
+        try:
+            async with self._db.connection() as conn:
+                cur = await conn.execute(self._db.sql.job_partitions_insertable,
+                                         (self._db.schema, self._db.schema))
+                row = await cur.fetchone()
+        except psycopg.Error:
+            return None  # this batch goes through jobs, which says what is wrong if anything
+        return bool(row and row[0])
+
+
+# What the server says to an insert into a partition that a producer may not use: no privilege
+# on it (42501), or no such table (42P01, a schema older than its generations).
+PARTITION_REFUSED = ("42501", "42P01")
 
 
 async def _write_on_callers(db: Database, conn: Conn, statement: Statement, params: Any, *,
