@@ -206,6 +206,24 @@ async def test_batch_inserts_name_the_current_partition_and_follow_a_switch(
     assert [(await _where(queue))[i] for i in routed] == [(1, "queued")] * 2
 
 
+async def test_moves_between_partitions_notify_only_their_queued_rows(queue: Queue) -> None:
+    """The partitions' notification trigger (0016_partition_inserts.sql) leaves moves alone:
+    a failed row drained from the old partition wakes no worker of its queue."""
+    failed = await queue.enqueue("t", {}, queue="ended")
+    await execute(queue, "UPDATE {s}.jobs SET status = 'failed', finished_at = now()"
+                         " WHERE id = %s", failed)
+    assert await _rotate(queue) >= 0
+    async with queue.connection() as listener:
+        await listener.execute(sql.SQL("LISTEN {}").format(
+            sql.Identifier(f"{queue.schema}_jobs")))
+        async with queue.connection() as conn:
+            await conn.execute(queue.sql.generation_drain, {"n": 100})
+        assert (await _where(queue))[failed] == (1, "failed")
+        await queue.enqueue("t", {}, queue="after")  # notifications arrive in commit order
+        heard = await asyncio.wait_for(anext(listener.notifies()), timeout=10)
+    assert json.loads(heard.payload)["queue"] == "after"
+
+
 async def test_a_switch_waits_for_no_lock_and_changes_nothing_without_it(
         queue: Queue, pg_dsn: str) -> None:
     await queue.enqueue("t", {})

@@ -397,6 +397,39 @@ async def test_an_open_producer_transaction_holds_up_no_worker(queue: Queue) -> 
         assert await queue.result(c, timeout=20) == {str(p): "p"}
 
 
+async def test_a_workflow_commit_ended_by_a_deadlock_is_sent_again(
+        queue: Queue, pg_dsn: str) -> None:
+    """The commit of `enqueue(after=[a, b])` marks its parents in id order; another session
+    that holds b and then wants a makes a deadlock, which PostgreSQL ends by rolling back the
+    producer's statement (its deadlock_timeout passes first): it is sent again, and written
+    once (_db/inserter.py, write)."""
+    a = await queue.enqueue("t", {})
+    b = await queue.enqueue("t", {})
+    table = f'"{queue.schema}".jobs'
+    with psycopg.connect(pg_dsn) as other:
+        other.execute("SET deadlock_timeout = '30s'")  # the producer's check runs first
+        other.execute(f"UPDATE {table} SET priority = priority WHERE id = %s", (b,))
+        producer = asyncio.create_task(queue.enqueue("t", {}, after=[a, b]))
+
+        async def producer_waits() -> bool:
+            return bool(await fetchval(
+                queue, "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity s USING (pid)"
+                       " WHERE NOT l.granted AND position(%s in s.query) > 0"
+                       " AND s.query LIKE '%%enqueue_workflow%%'", queue.schema))
+
+        await wait_for(producer_waits, timeout=10, what="the producer waiting for b")
+        # Wants a, which the producer's commit holds: a deadlock, the producer's to end.
+        await asyncio.to_thread(
+            other.execute, f"UPDATE {table} SET priority = priority WHERE id = %s", (a,))
+        other.commit()
+    child = await asyncio.wait_for(producer, timeout=30)
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs WHERE id = %s"
+                                 " AND status = 'waiting'", child) == 1
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.job_deps WHERE child_id = %s",
+                          child) == 2
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs") == 3
+
+
 async def test_conn_on_an_autocommit_connection_is_all_or_none(queue: Queue) -> None:
     @queue.task()
     async def step(job: Job) -> None:

@@ -501,6 +501,7 @@ class Queue:
         if self._inserter is not None:
             await self._inserter.drain()
         self._inserter = None
+        self._partitions = None
         await self._close_waiter()
         await self.hooks.settle(timeout=self.hooks.timeout)  # on_enqueued calls still running
         await self._db.close()

@@ -26,7 +26,12 @@ import psycopg.errors
 from psycopg.pq import TransactionStatus
 from psycopg_pool import PoolTimeout
 
-from ..errors import EnqueueConnectionError, EnqueueRefusedError, reason
+from ..errors import (
+    EnqueueConnectionError,
+    EnqueueRefusedError,
+    SchemaNotInstalledError,
+    reason,
+)
 from .database import Conn, Database
 from .sql import Statement, Statements
 
@@ -161,6 +166,9 @@ async def write(db: Database, conn: Conn | None, statement: Statement, params: A
     how to enqueue again safely when the job may exist; `denied`, what to grant when the
     server refuses the statement for privileges (42501), when not INSERT on jobs.
 
+    A statement PostgreSQL ended as one side of a deadlock is sent again (DEADLOCK_TRIES in
+    all): on the pool's autocommit connection it was its own transaction, rolled back whole.
+
     With `conn`, the caller's transaction is theirs: nothing is retried.
     """
     if conn is not None:
@@ -168,6 +176,7 @@ async def write(db: Database, conn: Conn | None, statement: Statement, params: A
                                        denied=denied)
     deadline = time.monotonic() + db.connect_timeout
     lost: str | None = None  # why a connection was lost after the statement was sent
+    deadlocks = 0
     while True:
         c: Conn | None = None
         try:
@@ -177,18 +186,25 @@ async def write(db: Database, conn: Conn | None, statement: Statement, params: A
                     return await cur.fetchall()
         except PoolTimeout as e:  # an OperationalError too: before the next clause
             if lost is None:
-                raise EnqueueConnectionError(
-                    f"enqueue: {reason(e)} (waited {db.connect_timeout:g} s, the Queue's "
-                    "connect_timeout); nothing was written: enqueue again once PostgreSQL "
-                    "accepts connections", may_have_been_written=False) from None
+                raise _no_connection(db, e) from None
             raise _maybe_written(what, lost, advice) from None
         except psycopg.Error as e:
             if c is None or not (c.closed or c.broken):
                 # Not a connection failure.
+                if (isinstance(e, psycopg.errors.DeadlockDetected)
+                        and deadlocks + 1 < DEADLOCK_TRIES):
+                    deadlocks += 1
+                    continue
                 raise _refused(what, e, caller=False, denied=denied) from e
             lost = reason(e)
             if not resend or time.monotonic() >= deadline:
                 raise _maybe_written(what, lost, advice) from None
+
+
+# Tries of a statement that PostgreSQL ended as a deadlock (`write`): a workflow's commit
+# marks the parents it names in id order (0012_workflows.sql, job_deps_named) while a worker's
+# flush may hold one of them and wait for another.
+DEADLOCK_TRIES = 3
 
 
 class PartitionWriter:
@@ -199,31 +215,37 @@ class PartitionWriter:
     writer guesses the last one that took its rows, and a statement that names the other one
     inserts nothing, so it is sent again on the other. Named partitions need version 16 (their
     notification trigger) and INSERT and SELECT (id) on both partitions, which a producer
-    granted them on jobs alone lacks (docs/guides/roles.md): the first batch reads both from the catalog, and
-    without them every batch goes through `jobs` as before. Only for the pool's connections:
-    a statement refused in a caller's transaction (conn=) would abort it.
+    granted them on jobs alone lacks (docs/guides/roles.md): the first batch reads both from
+    the catalog, and without them every batch goes through `jobs` as before. Only for the
+    pool's connections: a statement refused in a caller's transaction (conn=) would abort it.
     """
 
     def __init__(self, db: Database) -> None:
         self._db = db
         self.guess = 0  # the generation that took the last batch
         self.usable: bool | None = None  # None: not read yet
+        self._reading = asyncio.Lock()  # one catalog read for the first batches in flight
 
     async def write(self, statement: Callable[[Statements], Statement], params: Any, *,
                     what: str, advice: str) -> list[tuple[Any, ...]]:
         """Run `statement` (of the Statements of a partition, or of jobs) without a caller's
         connection; its rows, as `write` returns them (never none: a batch has rows)."""
         if self.usable is None:
-            self.usable = await self._usable()  # None again if it could not be read
+            async with self._reading:
+                if self.usable is None:
+                    self.usable = await self._usable()  # None again if the read was cut off
         for _ in range(2) if self.usable else ():
             part = self.guess
             try:
                 rows = await write(self._db, None, statement(self._db.sql_of(part)), params,
                                    what=what, resend=False, advice=advice)
             except EnqueueRefusedError as e:
-                if e.sqlstate not in PARTITION_REFUSED:
+                if e.sqlstate != "42501":
                     raise
-                self.usable = False  # privileges or schema changed since: through jobs
+                self.usable = False  # a privilege revoked since: through jobs
+                break
+            except SchemaNotInstalledError:
+                self.usable = False  # a partition gone: through jobs, which says what is wrong
                 break
             if rows:
                 return rows
@@ -232,19 +254,20 @@ class PartitionWriter:
                            resend=False, advice=advice)
 
     async def _usable(self) -> bool | None:
+        c: Conn | None = None
         try:
-            async with self._db.connection() as conn:
-                cur = await conn.execute(self._db.sql.job_partitions_insertable,
-                                         (self._db.schema, self._db.schema))
+            # As long as the insert itself would wait for a connection (`write`).
+            async with self._db.connection(timeout=self._db.connect_timeout) as c:
+                cur = await c.execute(self._db.sql.job_partitions_insertable,
+                                      (self._db.schema, self._db.schema))
                 row = await cur.fetchone()
+        except PoolTimeout as e:  # an OperationalError too: before the next clause
+            raise _no_connection(self._db, e) from None
         except psycopg.Error:
-            return None  # this batch goes through jobs, which says what is wrong if anything
+            if c is None or c.closed or c.broken:
+                return None  # the connection was lost: the next batch reads again
+            return False  # the server refused the read (a privilege, a timeout): through jobs
         return bool(row and row[0])
-
-
-# What the server says to an insert into a partition that a producer may not use: no privilege
-# on it (42501), or no such table (42P01, a schema older than its generations).
-PARTITION_REFUSED = ("42501", "42P01")
 
 
 async def _write_on_callers(db: Database, conn: Conn, statement: Statement, params: Any, *,
@@ -298,6 +321,13 @@ def _refused(what: str, e: psycopg.Error, *, caller: bool,
     return EnqueueRefusedError(
         f"enqueue: PostgreSQL refused the INSERT of {what} ({reason(e)}); nothing was "
         f"written{tx}; {advice}", sqlstate=sqlstate)
+
+
+def _no_connection(db: Database, e: PoolTimeout) -> EnqueueConnectionError:
+    return EnqueueConnectionError(
+        f"enqueue: {reason(e)} (waited {db.connect_timeout:g} s, the Queue's connect_timeout); "
+        "nothing was written: enqueue again once PostgreSQL accepts connections",
+        may_have_been_written=False)
 
 
 def _maybe_written(what: str, lost: str, advice: str,

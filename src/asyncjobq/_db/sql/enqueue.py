@@ -64,8 +64,8 @@ class EnqueueStatements(Role):
 
         Through `jobs` (no `part`), the current one, read by the statement; PostgreSQL then
         routes each row to its partition (about 0.5 µs of server CPU a row, and the routing's
-        set-up in each statement). Named (`part`: the producer's guess, Queue._insert_rows),
-        the rows go straight into jobs_<part>, and only if that is still the current
+        set-up in each statement). Named (`part`: the producer's guess, PartitionWriter in
+        _db/inserter.py), the rows go straight into jobs_<part>, only if that is still the current
         generation: otherwise the statement inserts nothing and returns no row, and the
         producer sends it again for the other one. A partition has the notification trigger
         of `jobs` too (0016_partition_inserts.sql)."""
