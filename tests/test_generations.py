@@ -180,9 +180,9 @@ async def test_a_keys_holder_follows_its_status_changes(queue: Queue) -> None:
 async def test_batch_inserts_name_the_current_partition_and_follow_a_switch(
         queue: Queue) -> None:
     """Coalesced enqueues and enqueue_many go straight into the current generation's
-    partition (0016_partition_inserts.sql); after a switch, the statement that names the old
-    one inserts nothing and is sent again for the new one: each job once, in the current
-    partition, and a listener hears of it."""
+    partition, and notify their lane themselves (sql/enqueue.py); after a switch, the
+    statement that names the old one inserts nothing and is sent again for the new one: each
+    job once, in the current partition, and a listener hears of it."""
     first = await queue.enqueue("t", {})
     assert queue._partitions is not None and queue._partitions.usable
     assert (await _where(queue))[first] == (0, "queued")
@@ -207,8 +207,9 @@ async def test_batch_inserts_name_the_current_partition_and_follow_a_switch(
 
 
 async def test_moves_between_partitions_notify_only_their_queued_rows(queue: Queue) -> None:
-    """The partitions' notification trigger (0016_partition_inserts.sql) leaves moves alone:
-    a failed row drained from the old partition wakes no worker of its queue."""
+    """Moves between the partitions notify only the queued rows they move (jobs_move,
+    0013_generations.sql): a failed row drained from the old partition wakes no worker of its
+    queue."""
     failed = await queue.enqueue("t", {}, queue="ended")
     await execute(queue, "UPDATE {s}.jobs SET status = 'failed', finished_at = now()"
                          " WHERE id = %s", failed)

@@ -272,12 +272,14 @@ class GatedWrite:
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
         self.sizes: list[int] = []
+        self.one_lane: list[bool] = []
 
-    async def __call__(self, rows: list[str]) -> list[int]:
+    async def __call__(self, rows: list[str], one_lane: bool) -> list[int]:
         self.sizes.append(len(rows))
+        self.one_lane.append(one_lane)
         self.entered.set()
         await self.gate.wait()
-        return await self.queue._write_rows(rows)
+        return await self.queue._write_rows(rows, one_lane)
 
 
 def _row(n: int, priority: str = "0") -> str:
@@ -289,11 +291,11 @@ async def test_a_row_the_server_refuses_fails_only_its_own_enqueue(queue: Queue)
     # the inserter itself: a priority that is not a number, in a batch with five good rows.
     write = GatedWrite(queue)
     inserter = Inserter(write, max_in_flight=1)
-    first = asyncio.create_task(inserter.insert(_row(-1)))
+    first = asyncio.create_task(inserter.insert(_row(-1), "default"))
     await asyncio.wait_for(write.entered.wait(), 10)
     rows = [_row(n) for n in range(5)]
     rows.insert(2, _row(99, priority='"high"'))
-    calls = [asyncio.create_task(inserter.insert(r)) for r in rows]
+    calls = [asyncio.create_task(inserter.insert(r, "default")) for r in rows]
     await asyncio.sleep(0)  # all six are pending behind the first
     write.gate.set()
     await asyncio.wait_for(first, 10)
@@ -308,12 +310,48 @@ async def test_a_row_the_server_refuses_fails_only_its_own_enqueue(queue: Queue)
     assert payloads == [{"n": n} for n in range(5)]
 
 
+async def test_a_batch_of_one_lane_names_its_partition_and_notifies_it(queue: Queue) -> None:
+    """A batch whose rows share queue and priority goes into the current partition and sends
+    its one notification itself (sql/enqueue.py, `_notified`); one of several lanes goes
+    through jobs, whose trigger notifies each queue. Either way, one notification per queue
+    with the trigger's payload."""
+    write = GatedWrite(queue)
+    inserter = Inserter(write, max_in_flight=1)
+    async with queue.connection() as listener:
+        await listener.execute(sql.SQL("LISTEN {}").format(
+            sql.Identifier(f"{queue.schema}_jobs")))
+        first = asyncio.create_task(inserter.insert(_row(0), ("default", 0)))
+        await asyncio.wait_for(write.entered.wait(), 10)
+        one = [asyncio.create_task(inserter.insert(_row(n), ("default", 0))) for n in (1, 2)]
+        await asyncio.sleep(0)
+        write.gate.set()
+        await asyncio.wait_for(asyncio.gather(first, *one), 10)
+        mixed = '["t",{"n":3},"other",5,null,0.0,3]'
+        write.gate.clear()
+        write.entered.clear()
+        head = asyncio.create_task(inserter.insert(_row(4), ("default", 0)))
+        await asyncio.wait_for(write.entered.wait(), 10)
+        two = [asyncio.create_task(inserter.insert(mixed, ("other", 5))),
+               asyncio.create_task(inserter.insert(_row(5), ("default", 0)))]
+        await asyncio.sleep(0)
+        write.gate.set()
+        await asyncio.wait_for(asyncio.gather(head, *two), 10)
+        heard = [json.loads(n.payload) async for n in listener.notifies(timeout=5.0,
+                                                                        stop_after=5)]
+    assert write.sizes == [1, 2, 1, 2] and write.one_lane == [True, True, True, False]
+    lanes = [(h["queue"], [lane[0] for lane in h["lanes"]]) for h in heard]
+    assert lanes[:3] == [("default", [0])] * 3
+    assert sorted(lanes[3:]) == [("default", [0]), ("other", [5])]
+    assert all(h["run_at"] == h["lanes"][0][1] for h in heard)
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs_0") == 6
+
+
 async def test_batches_are_bounded_in_bytes(queue: Queue) -> None:
     write = GatedWrite(queue)
     inserter = Inserter(write, max_in_flight=1, max_bytes=3 * len(_row(10)))
-    first = asyncio.create_task(inserter.insert(_row(0)))
+    first = asyncio.create_task(inserter.insert(_row(0), "default"))
     await asyncio.wait_for(write.entered.wait(), 10)
-    calls = [asyncio.create_task(inserter.insert(_row(n))) for n in range(10, 17)]
+    calls = [asyncio.create_task(inserter.insert(_row(n), "default")) for n in range(10, 17)]
     await asyncio.sleep(0)
     write.gate.set()
     await asyncio.wait_for(asyncio.gather(first, *calls), 10)
@@ -332,9 +370,9 @@ async def test_a_statement_failure_reaches_every_caller(pg_dsn: str, schema: str
 async def test_enqueue_cancelled_before_its_insert_starts_writes_nothing(queue: Queue) -> None:
     write = GatedWrite(queue)
     inserter = Inserter(write, max_in_flight=1)
-    first = asyncio.create_task(inserter.insert(_row(1)))
+    first = asyncio.create_task(inserter.insert(_row(1), "default"))
     await asyncio.wait_for(write.entered.wait(), 10)
-    second = asyncio.create_task(inserter.insert(_row(2)))
+    second = asyncio.create_task(inserter.insert(_row(2), "default"))
     await asyncio.sleep(0)  # let it queue behind the first
     second.cancel()
     write.gate.set()

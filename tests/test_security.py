@@ -511,7 +511,8 @@ async def test_least_privilege_roles_as_documented(pg_dsn: str, schema: str,
         async with producer.connection() as conn:
             await assert_denied(conn, schema, "INSERT INTO {s}.job_deps VALUES (1, 2)",
                                 "SELECT {s}.job_deps_settle(ARRAY[1]::bigint[], 'done', 1)")
-    # A producer granted INSERT on jobs alone (as before version 16) inserts through jobs.
+    # A producer granted INSERT on jobs alone (roles.md before this release) inserts through
+    # jobs.
     async with Queue(as_role(pg_dsn, roles.owner), schema=schema) as owner:
         await execute(owner, f"REVOKE INSERT ON {{s}}.jobs_1 FROM {roles.producer}")
     async with Queue(as_role(pg_dsn, roles.producer), schema=schema) as narrow:

@@ -625,7 +625,7 @@ class Queue:
                    f"{'0.0' if secs == 0 else json.dumps(secs)},"
                    f"{attempts:d}"
                    f"{',' + trace if trace is not None else ''}]")
-            job_id = await self._open_inserter().insert(job)
+            job_id = await self._open_inserter().insert(job, (q, prio))
             if self.hooks.on_enqueued:
                 self.hooks.spawn("on_enqueued", job_ids=[job_id], task=name, queue=q)
             return job_id
@@ -659,7 +659,7 @@ class Queue:
             raise QueueClosedError(NOT_OPEN)
         return self._inserter
 
-    async def _write_rows(self, rows: list[str]) -> list[int]:
+    async def _write_rows(self, rows: list[str], one_lane: bool) -> list[int]:
         # Each caller of the batch enqueued one job: the error speaks to each of them.
         # A traced row ends with its trace context's object (`}]`), an untraced one with
         # max_attempts (a digit): only a batch with a traced row writes the column.
@@ -668,8 +668,8 @@ class Queue:
         if writer is None:
             raise QueueClosedError(NOT_OPEN)
         result = await writer.write(_ROWS_TRACED if traced else _ROWS,
-                                    ("[" + ",".join(rows) + "]",), what="the job",
-                                    advice=_USE_DEDUP)
+                                    {"rows": "[" + ",".join(rows) + "]"}, what="the job",
+                                    advice=_USE_DEDUP, one_lane=one_lane)
         return [int(r[0]) for r in result]
 
     async def enqueue_many(
@@ -719,12 +719,10 @@ class Queue:
                             conn: Conn | None, trace: str | None,
                             key_array: str | None = None) -> list[int]:
         # One trace context for the batch: every job's attempts are children of its span.
-        which, params = (
-            ("keyed", (name, q, prio, when, secs, attempts, trace, array, key_array))
-            if key_array is not None else
-            ("plain", (name, q, prio, when, secs, attempts, array))
-            if trace is None else
-            ("traced", (name, q, prio, when, secs, attempts, trace, array)))
+        which = "keyed" if key_array is not None else "plain" if trace is None else "traced"
+        params = {"task": name, "queue": q, "priority": prio, "run_at": when, "delay": secs,
+                  "max_attempts": attempts, "trace": trace, "payloads": array,
+                  "keys": key_array}
         what = "the job" if n == 1 else f"the {n} jobs (all or none of them)"
         if conn is None and self._partitions is not None:
             rows = await self._partitions.write(_MANY[which], params, what=what,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import psycopg.errors
@@ -44,35 +44,39 @@ ROW_ERRORS = (psycopg.errors.DataError, psycopg.errors.IntegrityError,
 class Inserter:
     def __init__(
         self,
-        write: Callable[[list[str]], Awaitable[list[int]]],
+        write: Callable[[list[str], bool], Awaitable[list[int]]],
         *,
         max_in_flight: int,
         max_rows: int = 500,
         max_bytes: int = 4 << 20,
     ) -> None:
-        self._write = write  # JSON-array rows -> their ids, in order, in one statement
+        # JSON-array rows, and whether they share one lane -> their ids, in order, in one
+        # statement.
+        self._write = write
         self._max_in_flight = max_in_flight
         self._max_rows = max_rows
         self._max_bytes = max_bytes  # large payloads go in smaller statements
-        self._pending: deque[tuple[str, asyncio.Future[int]]] = deque()
+        self._pending: deque[tuple[str, Hashable, asyncio.Future[int]]] = deque()
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
         self.statements = 0  # INSERTs run, for tests and benchmarks
 
-    async def insert(self, row: str) -> int:
-        """Insert one row (a JSON array, see sql.job_insert_rows); returns its job id."""
+    async def insert(self, row: str, lane: Hashable) -> int:
+        """Insert one row (a JSON array, see sql.job_insert_rows) of `lane` (its queue and
+        priority: a batch of one lane may name a partition, PartitionWriter); returns its
+        job id."""
         if self._in_flight < self._max_in_flight and not self._pending:
             # Alone: the caller's own task runs its INSERT, without a hand-off to another.
             self._started()
             try:
-                (job_id,) = await self._insert([row])
+                (job_id,) = await self._insert([row], True)
                 return job_id
             finally:
                 self._finished()
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._pending.append((row, fut))
+        self._pending.append((row, lane, fut))
         if self._in_flight < self._max_in_flight:
             self._launch()
         # Cancelled while still pending, the row is dropped; once its INSERT is running it
@@ -86,26 +90,28 @@ class Inserter:
 
     def _launch(self) -> None:
         batch: list[tuple[str, asyncio.Future[int]]] = []
+        lanes: set[Hashable] = set()
         size = 0
         while self._pending and len(batch) < self._max_rows:
-            row, fut = self._pending[0]
+            row, lane, fut = self._pending[0]
             if batch and size + len(row) > self._max_bytes:
                 break
             self._pending.popleft()
             if not fut.done():
                 batch.append((row, fut))
+                lanes.add(lane)
                 size += len(row)
         if not batch:
             return
         self._started()
-        task = asyncio.create_task(self._run(batch), name="asyncjobq enqueue")
+        task = asyncio.create_task(self._run(batch, len(lanes) == 1), name="asyncjobq enqueue")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, batch: list[tuple[str, asyncio.Future[int]]]) -> None:
+    async def _run(self, batch: list[tuple[str, asyncio.Future[int]]], one_lane: bool) -> None:
         try:
             try:
-                ids = await self._insert([row for row, _ in batch])
+                ids = await self._insert([row for row, _ in batch], one_lane)
             except EnqueueRefusedError as e:
                 if len(batch) == 1 or not isinstance(e.__cause__, ROW_ERRORS):
                     raise
@@ -139,7 +145,7 @@ class Inserter:
     async def _one_by_one(self, batch: list[tuple[str, asyncio.Future[int]]]) -> None:
         for row, fut in batch:
             try:
-                (job_id,) = await self._insert([row])
+                (job_id,) = await self._insert([row], True)
             except Exception as e:
                 if not fut.done():
                     fut.set_exception(e)
@@ -147,9 +153,9 @@ class Inserter:
                 if not fut.done():
                     fut.set_result(job_id)
 
-    async def _insert(self, rows: list[str]) -> list[int]:
+    async def _insert(self, rows: list[str], one_lane: bool) -> list[int]:
         self.statements += 1
-        return await self._write(rows)
+        return await self._write(rows, one_lane)
 
 
 async def write(db: Database, conn: Conn | None, statement: Statement, params: Any, *,
@@ -213,11 +219,13 @@ class PartitionWriter:
 
     Which generation is current changes only when the leader switches (rotate_jobs): the
     writer guesses the last one that took its rows, and a statement that names the other one
-    inserts nothing, so it is sent again on the other. Named partitions need version 16 (their
-    notification trigger) and INSERT and SELECT (id) on both partitions, which a producer
-    granted them on jobs alone lacks (docs/guides/roles.md): the first batch reads both from
-    the catalog, and without them every batch goes through `jobs` as before. Only for the
-    pool's connections: a statement refused in a caller's transaction (conn=) would abort it.
+    inserts nothing, so it is sent again on the other. Such a statement notifies its one lane
+    itself (sql/enqueue.py, `_notified`): a batch of several lanes goes through `jobs`, whose
+    trigger notifies each. Named partitions need INSERT and SELECT (id) on both, which a
+    producer granted them on jobs alone lacks (docs/guides/roles.md): the first batch reads
+    them from the catalog, and without them every batch goes through `jobs` as before. Only
+    for the pool's connections: a statement refused in a caller's transaction (conn=) would
+    abort it.
     """
 
     def __init__(self, db: Database) -> None:
@@ -227,14 +235,15 @@ class PartitionWriter:
         self._reading = asyncio.Lock()  # one catalog read for the first batches in flight
 
     async def write(self, statement: Callable[[Statements], Statement], params: Any, *,
-                    what: str, advice: str) -> list[tuple[Any, ...]]:
+                    what: str, advice: str, one_lane: bool = True) -> list[tuple[Any, ...]]:
         """Run `statement` (of the Statements of a partition, or of jobs) without a caller's
-        connection; its rows, as `write` returns them (never none: a batch has rows)."""
-        if self.usable is None:
+        connection; its rows, as `write` returns them (never none: a batch has rows).
+        `one_lane`: the rows share their queue and priority."""
+        if one_lane and self.usable is None:
             async with self._reading:
                 if self.usable is None:
                     self.usable = await self._usable()  # None again if the read was cut off
-        for _ in range(2) if self.usable else ():
+        for _ in range(2) if one_lane and self.usable else ():
             part = self.guess
             try:
                 rows = await write(self._db, None, statement(self._db.sql_of(part)), params,
