@@ -346,6 +346,29 @@ async def test_a_batch_of_one_lane_names_its_partition_and_notifies_it(queue: Qu
     assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs_0") == 6
 
 
+async def test_a_partition_batch_notifies_as_the_trigger_of_jobs_does(queue: Queue) -> None:
+    """The same rows, one lane, through jobs (its trigger) and into the current partition
+    (the statement's own notification): the same payload, earliest run_at included; a
+    keyed enqueue_many names the partition and is heard too."""
+    rows = json.dumps([["t", {}, "pay", 4, "2030-01-02T03:04:05.5+00:00", 7.25, 3],
+                       ["t", {}, "pay", 4, "2030-01-02T03:04:00+00:00", 9.0, 3],
+                       ["t", {}, "pay", 4, "2031-01-01T00:00:00+00:00", 0.0, 3]])
+    async with queue.connection() as listener:
+        await listener.execute(sql.SQL("LISTEN {}").format(
+            sql.Identifier(f"{queue.schema}_jobs")))
+        async with queue.connection() as conn:
+            for statements in (queue.sql, queue.database.sql_of(0)):
+                cur = await conn.execute(statements.job_insert_rows, {"rows": rows})
+                assert len(await cur.fetchall()) == 3
+        keyed = await queue.enqueue_many("t", [{}, {}], queue="keys", keys=["k", None])
+        heard = [n.payload async for n in listener.notifies(timeout=5.0, stop_after=3)]
+    assert heard[0] == heard[1]
+    assert json.loads(heard[0])["run_at"] == datetime(2030, 1, 2, 3, 4, 9, tzinfo=UTC).timestamp()
+    assert json.loads(heard[2])["queue"] == "keys"
+    assert await fetchval(queue, "SELECT count(*) FROM {s}.jobs_0 WHERE id = ANY(%s)",
+                          keyed) == 2
+
+
 async def test_batches_are_bounded_in_bytes(queue: Queue) -> None:
     write = GatedWrite(queue)
     inserter = Inserter(write, max_in_flight=1, max_bytes=3 * len(_row(10)))

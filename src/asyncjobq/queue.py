@@ -726,7 +726,7 @@ class Queue:
         what = "the job" if n == 1 else f"the {n} jobs (all or none of them)"
         if conn is None and self._partitions is not None:
             rows = await self._partitions.write(_MANY[which], params, what=what,
-                                                advice=_MANY_UNSURE)
+                                                advice=_MANY_UNSURE, one_lane=True)
         else:
             rows = await write(self._db, conn, _MANY[which](self.sql), params, what=what,
                                resend=False, advice=_MANY_UNSURE)

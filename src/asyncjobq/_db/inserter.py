@@ -221,11 +221,12 @@ class PartitionWriter:
     writer guesses the last one that took its rows, and a statement that names the other one
     inserts nothing, so it is sent again on the other. Such a statement notifies its one lane
     itself (sql/enqueue.py, `_notified`): a batch of several lanes goes through `jobs`, whose
-    trigger notifies each. Named partitions need INSERT and SELECT (id) on both, which a
-    producer granted them on jobs alone lacks (docs/guides/roles.md): the first batch reads
-    them from the catalog, and without them every batch goes through `jobs` as before. Only
-    for the pool's connections: a statement refused in a caller's transaction (conn=) would
-    abort it.
+    trigger notifies each. Named partitions need INSERT and SELECT (id, queue, priority,
+    run_at) on both, which a
+    producer granted them on jobs alone lacks (docs/guides/roles.md): the first one-lane
+    batch reads them from the catalog, and without them every batch goes through `jobs` as
+    before. Only for the pool's connections: a statement refused in a caller's transaction
+    (conn=) would abort it.
     """
 
     def __init__(self, db: Database) -> None:
@@ -235,7 +236,7 @@ class PartitionWriter:
         self._reading = asyncio.Lock()  # one catalog read for the first batches in flight
 
     async def write(self, statement: Callable[[Statements], Statement], params: Any, *,
-                    what: str, advice: str, one_lane: bool = True) -> list[tuple[Any, ...]]:
+                    what: str, advice: str, one_lane: bool) -> list[tuple[Any, ...]]:
         """Run `statement` (of the Statements of a partition, or of jobs) without a caller's
         connection; its rows, as `write` returns them (never none: a batch has rows).
         `one_lane`: the rows share their queue and priority."""

@@ -14,10 +14,10 @@ The floor is a (run_at, id) such that no row visible and queued in the lane lies
   +infinity. The other claims leave the floors as they are.
 - A row can become queued below a floor only by a statement committed after that snapshot,
   and every such statement notifies its queue with each lane's earliest run_at (jobs_notify
-  for inserts, notify_lanes for requeues): the notification lowers the floor, to 1 ms under
-  that run_at (the epoch travels as a float). A notification handled after a claim was sent
-  may concern a commit the claim's snapshot missed, so it is applied again over the floor the
-  claim brings back (`pending` below).
+  or the batch that names a partition for inserts, notify_lanes for requeues): the
+  notification lowers the floor, to 1 ms under that run_at (the epoch travels as a float).
+  A notification handled after a claim was sent may concern a commit the claim's snapshot
+  missed, so it is applied again over the floor the claim brings back (`pending` below).
 - Notifications are only heard while the LISTEN connection is up: when it connects again
   (some may have been lost) every floor is forgotten, and the next claim first walks each
   queue's lanes from their start (sql/claim.py, `lanes_discover`). So does one in

@@ -174,8 +174,8 @@ class WorkerStatements(Role):
     # a few also reads each lane's first queued row at or past its floor (`peek`, a plain read: a
     # row another claim has locked but not committed is still queued to it, and counts), the
     # lane's next floor. A row that becomes queued below a floor afterwards is written by a
-    # statement that notifies the queue with its lanes' earliest run_at (jobs_notify and
-    # every statement that requeues), and the notification lowers the floor.
+    # statement that notifies the queue with its lanes' earliest run_at (jobs_notify, a batch
+    # into a partition, every statement that requeues), and the notification lowers it.
     # Parameter %(lanes)s: [[queue, priority, floor run_at, floor id], ...] in priority order
     # (highest first), one JSON text as the outcomes are (an encoder call, not four arrays').
     _LANES = (

@@ -100,7 +100,8 @@ def notify_lanes(rows: str) -> str:
     queue, priority and run_at: rows this statement made queued), through the schema's
     notify_lanes() (0009_notify_lanes.sql): one notification per queue, naming each lane's
     earliest run_at, so that a worker lowers its floors there (_worker/floors.py). Every
-    statement that makes rows queued, but an INSERT (jobs_notify does that one), includes it;
+    statement that makes rows queued, but an INSERT (jobs_notify, or the batch's own
+    notification of its one lane, sql/enqueue.py), includes it;
     it returns the notifications sent (NULL for no row)."""
     return ("(SELECT {s}.notify_lanes(%(channel)s, array_agg(queue), array_agg(priority),"
             f" array_agg(run_at)) FROM {rows})")

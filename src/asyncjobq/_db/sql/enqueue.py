@@ -80,10 +80,10 @@ class EnqueueStatements(Role):
         Such a batch has one lane (one queue, one priority: PartitionWriter sends the others
         through `jobs`), so the statement sends the trigger's payload itself, built from
         `lane` (SELECT queue AS q, priority AS p, earliest run_at AS at): about 25 µs of
-        server CPU less than the trigger's query over its transition table in a one-row
-        insert. Only if a row was inserted; in a one-time filter, so that the ids alone come
-        back (a second column cost the client more than the trigger did the server, in a
-        100,000-row enqueue_many)."""
+        server CPU less in a one-row insert than the trigger's query over its transition
+        table (as a partition's trigger, measured). Only if a row was inserted; in a one-time
+        filter, so that the ids alone come back (a second column cost the client more than
+        the trigger did the server, in a 100,000-row enqueue_many)."""
         if self.part is None:
             return insert
         return (
@@ -99,27 +99,33 @@ class EnqueueStatements(Role):
         # schedule: one JSON array of [task, payload, queue, priority, run_at, delay,
         # max_attempts(, trace context)] rows; ids come back in row order. An untraced row in
         # a traced batch has no 8th element: r->7 is NULL.
+        # Named, the lane is read back from the rows inserted (the JSON parsed again cost
+        # about 2 µs a row).
         gen, guard = self._gen()
-        run_at = "coalesce((r->>4)::timestamptz, now()) + make_interval(secs => (r->>5)::float8)"
         return self._compose(self._notified(
             "INSERT INTO {s}.{j} (task, payload, queue, priority, run_at, max_attempts, gen"
             + (", trace_context" if traced else "") + ")"
-            " SELECT r->>0, r->1, r->>2, (r->>3)::int, " + run_at + ","
+            " SELECT r->>0, r->1, r->>2, (r->>3)::int,"
+            "   coalesce((r->>4)::timestamptz, now()) + make_interval(secs => (r->>5)::float8),"
             "   (r->>6)::int, " + gen + (", r->7" if traced else "") +
             " FROM jsonb_array_elements(%(rows)s::jsonb) WITH ORDINALITY AS t(r, n)" + guard +
-            " ORDER BY n RETURNING id",
-            "SELECT min(r->>2) AS q, min((r->>3)::int) AS p, min(" + run_at + ") AS at"
-            " FROM jsonb_array_elements(%(rows)s::jsonb) r"))
+            " ORDER BY n RETURNING id" + (", queue, priority, run_at" if self.part is not None
+                                          else ""),
+            "SELECT min(queue) AS q, min(priority) AS p, min(run_at) AS at FROM ins"))
 
     @cached_property
     def job_partitions_insertable(self) -> Statement:
         # Whether batch inserts may name the partitions (_db/inserter.py, PartitionWriter):
-        # this role may insert into both and read the ids it inserted (RETURNING id).
+        # this role may insert into both and read back what it inserted (RETURNING id, and
+        # the lane a batch notifies).
         return self._compose(
             "SELECT count(*) = 2 FROM (VALUES (to_regclass(quote_ident(%s) || '.jobs_0')),"
             "   (to_regclass(quote_ident(%s) || '.jobs_1'))) AS p(t)"
             " WHERE has_table_privilege(p.t, 'INSERT')"
             "   AND has_column_privilege(p.t, 'id', 'SELECT')"
+            "   AND has_column_privilege(p.t, 'queue', 'SELECT')"
+            "   AND has_column_privilege(p.t, 'priority', 'SELECT')"
+            "   AND has_column_privilege(p.t, 'run_at', 'SELECT')"
         )
 
     @cached_property
