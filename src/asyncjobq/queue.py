@@ -1119,7 +1119,6 @@ class Queue:
 # Seconds pause() waits at most for claims that started before it committed (Queue.pause).
 PAUSE_SETTLE = 5.0
 
-# What to do when an enqueue's job may or may not have been written (inserter.write).
 # The batch inserts, picked from the Statements of jobs or of one partition (PartitionWriter).
 _ROWS: Callable[[Statements], Statement] = attrgetter("job_insert_rows")
 _ROWS_TRACED: Callable[[Statements], Statement] = attrgetter("job_insert_rows_traced")
@@ -1128,6 +1127,8 @@ _MANY: dict[str, Callable[[Statements], Statement]] = {
     "traced": attrgetter("job_insert_many_traced"),
     "keyed": attrgetter("job_insert_many_keyed"),
 }
+
+# What to do when an enqueue's job may or may not have been written (inserter.write).
 _USE_DEDUP = ("enqueueing it again may create it twice: pass a dedup_key to make that safe "
               "(enqueue then sends it again by itself)")
 _RESEND_DEDUP = ("enqueue it again with the same dedup_key: that returns the existing job's id "

@@ -222,11 +222,10 @@ class PartitionWriter:
     inserts nothing, so it is sent again on the other. Such a statement notifies its one lane
     itself (sql/enqueue.py, `_notified`): a batch of several lanes goes through `jobs`, whose
     trigger notifies each. Named partitions need INSERT and SELECT (id, queue, priority,
-    run_at) on both, which a
-    producer granted them on jobs alone lacks (docs/guides/roles.md): the first one-lane
-    batch reads them from the catalog, and without them every batch goes through `jobs` as
-    before. Only for the pool's connections: a statement refused in a caller's transaction
-    (conn=) would abort it.
+    run_at) on both, which a producer granted them on jobs alone lacks (docs/guides/roles.md):
+    the first one-lane batch reads them from the catalog, and without them every batch goes
+    through `jobs` as before. Only for the pool's connections: a statement refused in a
+    caller's transaction (conn=) would abort it.
     """
 
     def __init__(self, db: Database) -> None:
