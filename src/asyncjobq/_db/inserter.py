@@ -33,6 +33,7 @@ from ..errors import (
     reason,
 )
 from .database import Conn, Database
+from .retrying import DEADLOCK_TRIES
 from .sql import Statement, Statements
 
 # Errors that one row can cause for the whole statement: a value PostgreSQL refuses (22xxx
@@ -174,6 +175,8 @@ async def write(db: Database, conn: Conn | None, statement: Statement, params: A
 
     A statement PostgreSQL ended as one side of a deadlock is sent again (DEADLOCK_TRIES in
     all): on the pool's autocommit connection it was its own transaction, rolled back whole.
+    A workflow's commit marks the parents it names in id order (0012_workflows.sql,
+    job_deps_named) while a worker's flush may hold one of them and wait for another.
 
     With `conn`, the caller's transaction is theirs: nothing is retried.
     """
@@ -205,12 +208,6 @@ async def write(db: Database, conn: Conn | None, statement: Statement, params: A
             lost = reason(e)
             if not resend or time.monotonic() >= deadline:
                 raise _maybe_written(what, lost, advice) from None
-
-
-# Tries of a statement that PostgreSQL ended as a deadlock (`write`): a workflow's commit
-# marks the parents it names in id order (0012_workflows.sql, job_deps_named) while a worker's
-# flush may hold one of them and wait for another.
-DEADLOCK_TRIES = 3
 
 
 class PartitionWriter:

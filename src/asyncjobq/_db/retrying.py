@@ -19,6 +19,11 @@ from psycopg_pool import PoolTimeout
 
 from ..errors import reason
 
+# Tries of one transaction that PostgreSQL ended as one side of a deadlock, for callers that
+# are not loops and give up at last (an install, an enqueue): its rollback was whole, so it is
+# safe to run again.
+DEADLOCK_TRIES = 3
+
 # What the loops retry. PoolTimeout is an OperationalError, named for the reader.
 RETRYABLE: tuple[type[Exception], ...] = (psycopg.Error, PoolTimeout)
 

@@ -14,6 +14,7 @@ import psycopg
 from psycopg import sql
 
 from ...errors import SchemaNotInstalledError, SchemaVersionError
+from ..retrying import DEADLOCK_TRIES
 from ..sql import IndexDefinition, statements
 
 _NAME_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -72,12 +73,11 @@ def _refuse_newer(done: set[int], schema: str) -> None:
         )
 
 
-# Installs that PostgreSQL ended as one side of a deadlock, tried again before giving up. A
-# migration that changes `jobs` locks it and its partitions; a statement of a running worker
-# can hold one partition and want another table of the set (a limited claim reads `jobs` while
-# it updates its partition), and the deadlock detector ends one of the two after
-# deadlock_timeout. The install's transaction is rolled back whole: trying it again is safe.
-DEADLOCK_TRIES = 3
+# Installs that PostgreSQL ended as one side of a deadlock are tried again (DEADLOCK_TRIES in
+# all). A migration that changes `jobs` locks it and its partitions; a statement of a running
+# worker can hold one partition and want another table of the set (a limited claim reads
+# `jobs` while it updates its partition), and the deadlock detector ends one of the two after
+# deadlock_timeout.
 
 
 async def apply(conn: psycopg.AsyncConnection[Any], schema: str) -> list[int]:

@@ -9,6 +9,9 @@ from .common import GEN, Role, Statement, _q
 
 class EnqueueStatements(Role):
 
+    # A job's run_at from enqueue's run_at (None: now) and delay, in seconds.
+    _RUN_AT = "coalesce(%(run_at)s, now()) + make_interval(secs => %(delay)s)"
+
     # Each insert has a `_traced` twin that also writes trace_context (asyncjobq.tracing): the
     # untraced statements, which producers without tracing run, name no more columns than
     # they need.
@@ -38,7 +41,7 @@ class EnqueueStatements(Role):
             "   dedup_key, gen" + (", trace_context" if traced else "")
             + (", key" if keyed else "") + ")"
             " VALUES (%(task)s, %(payload)s, %(queue)s, %(priority)s,"
-            "   coalesce(%(run_at)s, now()) + make_interval(secs => %(delay)s),"
+            "   " + self._RUN_AT + ","
             "   %(max_attempts)s, %(dedup_key)s, " + GEN
             + (", %(trace)s::jsonb" if traced else "")
             + (", %(key)s" if keyed else "") + ")"
@@ -137,9 +140,7 @@ class EnqueueStatements(Role):
         return self._job_insert_many(traced=True)
 
     # enqueue_many's rows share their queue, priority and schedule: its one lane.
-    _MANY_RUN_AT = "coalesce(%(run_at)s, now()) + make_interval(secs => %(delay)s)"
-    _MANY_LANE = ("SELECT %(queue)s::text AS q, %(priority)s::int AS p, "
-                  + _MANY_RUN_AT + " AS at")
+    _MANY_LANE = "SELECT %(queue)s::text AS q, %(priority)s::int AS p, " + _RUN_AT + " AS at"
 
     @cached_property
     def job_insert_many_keyed(self) -> Statement:
@@ -149,7 +150,7 @@ class EnqueueStatements(Role):
         return self._compose(self._notified(
             "INSERT INTO {s}.{j} (task, payload, queue, priority, run_at, max_attempts,"
             "   trace_context, key, gen)"
-            " SELECT %(task)s, p, %(queue)s, %(priority)s, " + self._MANY_RUN_AT + ","
+            " SELECT %(task)s, p, %(queue)s, %(priority)s, " + self._RUN_AT + ","
             "   %(max_attempts)s, %(trace)s::jsonb, k, " + gen +
             " FROM ROWS FROM (jsonb_array_elements(%(payloads)s::jsonb),"
             "   jsonb_array_elements_text(%(keys)s::jsonb))"
@@ -164,7 +165,7 @@ class EnqueueStatements(Role):
         return self._compose(self._notified(
             "INSERT INTO {s}.{j} (task, payload, queue, priority, run_at, max_attempts, gen"
             + (", trace_context" if traced else "") + ")"
-            " SELECT %(task)s, p, %(queue)s, %(priority)s, " + self._MANY_RUN_AT + ","
+            " SELECT %(task)s, p, %(queue)s, %(priority)s, " + self._RUN_AT + ","
             "   %(max_attempts)s, " + gen + (", %(trace)s::jsonb" if traced else "") +
             " FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS t(p, n)"
             + guard + " ORDER BY n RETURNING id", self._MANY_LANE))
