@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 
 from asyncjobq._db.sql import statements
-from asyncjobq._db.sql.claim import DONE_OUTCOMES, PLAIN_OUTCOMES
+from asyncjobq._db.sql.claim import DONE_OUTCOMES, PLAIN_OUTCOMES, WorkerStatements
 from asyncjobq._db.sql.common import HISTORY_SHARD
 from asyncjobq._worker.floors import PEEK_EVERY
 
@@ -80,15 +80,17 @@ def _append_count(text: str) -> str:
     return text[:i] + head + text[k:]
 
 
-def _lean_done(text: str) -> str:
-    """Upper bound of a done flush without the `locked` and `mine` CTEs: the DELETE finds its
-    rows by the outcomes' ids and attempts directly (no lock order of its own)."""
-    i = text.find(" locked AS MATERIALIZED (")
-    j = text.find(" finished AS (")
-    text = text[:i] + text[j:]
-    return text.replace("ANY(ARRAY(SELECT id FROM mine WHERE arch))",
-                        "ANY(ARRAY(SELECT id FROM o)) AND (j.id, j.attempts) IN"
-                        " (SELECT id, attempt FROM o)", 1)
+def _locked_done(text: str) -> str:
+    """The flush of done outcomes as it was before the DELETE fenced its rows itself: the
+    `locked` and `mine` CTEs of the other flushes (WorkerStatements._LOCKED) in front."""
+    head, sep, tail = text.partition(" finished AS (")
+    target = tail.split("DELETE FROM ", 1)[1].split(" j ", 1)[0]  # "schema".jobs_<gen>
+    schema, table = target.split(".")
+    locked = WorkerStatements._LOCKED.replace("{s}", schema).replace("{j}", table)
+    cut = tail.index(" AND j.status::text")
+    tail = (tail[:tail.index(" WHERE j.id")] + " WHERE j.id = ANY(ARRAY(SELECT id FROM mine"
+            " WHERE arch))" + tail[cut:])
+    return head + locked + sep + tail
 
 
 def _drop(kind: str, *names: str) -> str:
@@ -144,7 +146,7 @@ VARIANTS = {v.name: v for v in [
     Variant("append-count",
             "CREATE TABLE {s}.history_count_log (queue text, status {s}.job_status, n bigint);",
             edit=_append_count),
-    Variant("lean-done", edit=_lean_done, outcomes=DONE_OUTCOMES),
+    Variant("locked-done", edit=_locked_done, outcomes=DONE_OUTCOMES),
     Variant("no-count", edit=_cut(" counted AS (", " updated AS (", " claimed AS (")),
     Variant("done-only", outcomes=DONE_OUTCOMES),
 ]}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import anyio
 import psycopg
@@ -301,6 +303,74 @@ async def test_stale_worker_completion_is_refused_by_fencing(queue: Queue) -> No
     assert b.refused == 0 and await status_of(queue, job_id) == "done"
 
 
+async def test_a_done_flush_is_fenced_on_the_attempt_and_locks_rows_in_id_order(
+        queue: Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush of done outcomes alone (DONE_OUTCOMES) has no `locked` CTE: its DELETE locks
+    the rows and is fenced on the attempt itself. A late outcome of attempt 1 from the worker
+    that now runs attempt 2 is refused beside two accepted ones. On the plan workers run
+    (generic, no sequential or bitmap scan) that DELETE reads the primary key on `= ANY(...)`,
+    which btree walks in sorted order: rows are locked in id order, as the heartbeat and the
+    other flushes lock theirs, and the attempt is a hashed subplan, not a join read once a
+    row. Without those settings (a pooled connection) done outcomes take the flush that locks
+    its rows first."""
+    ids = await queue.enqueue_many("t", [{}, {}, {}])
+    fetcher = claimer(queue, ["default"], 3)
+    first = {j.id: j for j in await fetcher.claim(3)}
+    await execute(queue, "UPDATE {s}.jobs SET locked_at = now() - interval '1 hour'"
+                  " WHERE id = %s", ids[0])
+    assert await Reaper(queue.database, lease=30, interval=1).reap() == 1
+    (again,) = await fetcher.claim(1)
+    assert (again.id, again.attempt) == (ids[0], 2)
+    shapes: list[int] = []
+    sql_of = queue.database.sql_of
+
+    def recording(gen: int | None, outcomes: int = ANY_OUTCOMES) -> Any:
+        shapes.append(outcomes)
+        return sql_of(gen, outcomes)
+
+    monkeypatch.setattr(queue.database, "sql_of", recording)
+    completer = Completer(queue.database, "w", max_batch=10)
+    outcomes = [Outcome(i, first[i].attempt, "done") for i in reversed(ids)]
+    assert outcomes_of(outcomes) == DONE_OUTCOMES
+    for o in outcomes:
+        completer.add(o)
+    async with anyio.create_task_group() as tg:  # through a lane, as a running worker does
+        tg.start_soon(completer.run)
+        await wait_for(lambda: completer.backlog == 0, what="the flush")
+        tg.cancel_scope.cancel()
+    assert completer.refused == 1 and shapes == [DONE_OUTCOMES]
+    assert [await status_of(queue, i) for i in ids] == ["running", "done", "done"]
+    assert (await queue.stats())["default"]["done"] == 2
+    # A flush on a pooled connection, where the worker's plan settings are not in force,
+    # locks its rows first.
+    completer.add(Outcome(again.id, again.attempt, "done"))
+    await completer.flush()
+    assert shapes == [DONE_OUTCOMES, PLAIN_OUTCOMES]
+    assert await status_of(queue, ids[0]) == "done"
+    monkeypatch.undo()
+
+    st = queue.database.sql_of(0, DONE_OUTCOMES)
+    text = st.job_set_outcome_if_running_many_then_claim_one_queue.as_string(None)
+    names: list[str] = []
+    for name in re.findall(r"%\((\w+)\)s", text):
+        if name not in names:
+            names.append(name)
+        text = text.replace(f"%({name})s", f"${names.index(name) + 1}")
+    values = {"outcomes": "[]", "worker": "w", "done": "d", "queue": "default", "limit": 10}
+    async with queue.connection() as conn:
+        await conn.execute(st.session_worker_plans)
+        await conn.execute(sql.SQL("PREPARE done_flush AS {}").format(sql.SQL(text)))
+        cur = await conn.execute(sql.SQL("EXPLAIN (COSTS OFF) EXECUTE done_flush({})").format(
+            sql.SQL(", ").join(sql.Literal(values[n]) for n in names)))
+        plan = "\n".join(r[0] for r in await cur.fetchall())
+        await conn.execute("DEALLOCATE done_flush")
+    delete = plan[plan.index("Delete on jobs_0 j"):plan.index("CTE archived")]
+    assert "Index Scan using jobs_0_pkey on jobs_0 j" in delete, plan
+    assert "hashed SubPlan" in delete, plan
+    assert not any(n in delete for n in ("Join", "Nested Loop", "Sort", "LockRows")), plan
+    assert "CTE locked" not in plan, plan
+
+
 async def test_the_fetcher_leaves_a_claim_to_a_flush_about_to_be_written(queue: Queue) -> None:
     """While claims come back full, the slots that finished handlers free are claimed by the
     flush of their outcomes once it is due, in its one statement: the fetcher waits for it.
@@ -463,8 +533,9 @@ async def test_claims_run_on_a_generic_plan_that_reads_the_claim_index(
     for held in completer._lanes:
         async with held, held.connection() as conn:
             cur = await conn.execute(
-                "SELECT current_setting('plan_cache_mode'), current_setting('enable_seqscan')")
-            assert await cur.fetchone() == ("force_generic_plan", "off")
+                "SELECT current_setting('plan_cache_mode'), current_setting('enable_seqscan'),"
+                " current_setting('enable_bitmapscan')")
+            assert await cur.fetchone() == ("force_generic_plan", "off", "off")
 
 
 @pytest.mark.parametrize("queues", [["default"], ["default", "other"]])
@@ -773,7 +844,6 @@ async def test_the_payload_is_read_with_a_jsonb_loader_the_app_registered(queue:
     such a loader, the worker's own connections read jsonb with the faster one, which gives
     what psycopg's would, text outside ASCII included."""
     import json
-    from typing import Any
 
     from psycopg.types.json import JsonbLoader
 

@@ -56,6 +56,13 @@ class OwnConnection:
         self.active = False
         await self.close()
 
+    @property
+    def plans_as_worker(self) -> bool:
+        """Whether connection() now gives its own connection, planning with the worker's
+        settings (sql/claim.py _worker_plan_settings): not a pooled one, and not behind a
+        transaction pooler, where no session setting stays."""
+        return self.active and self._generic_plans and not self._db.pooled
+
     def connection(self) -> AbstractAsyncContextManager[AsyncConnection[Any]]:
         """Its own connection while the loop runs, else (direct calls, tests) a pooled one."""
         return self.use() if self.active else self._db.connection()

@@ -246,6 +246,10 @@ class Completer:
             "done": self._db.done_channel,
         }
         plain = outcomes_of(batch)
+        if plain == DONE_OUTCOMES and not (own is not None and own.plans_as_worker):
+            # The flush of done outcomes alone locks its rows in id order only as workers
+            # plan it (sql/claim.py _DONE_ROWS): elsewhere, the flush that locks them first.
+            plain = PLAIN_OUTCOMES
         # The partition the batch's jobs were claimed from (0013_generations.sql); None when
         # they come from both, or are unknown: the statement names jobs, every partition.
         gens = {self._gen_of(o) for o in batch}

@@ -420,13 +420,23 @@ class WorkerStatements(Role):
         "  SELECT (e->>0)::bigint AS id, (e->>1)::int AS attempt, e->>2 AS kind,"
         "    (e->>3)::float8 AS delay, e->>4 AS error, e->5 AS result"
         "  FROM jsonb_array_elements(%(outcomes)s::jsonb) AS e),"
-        # Lock the rows in id order first, as the heartbeat does: two statements that lock
-        # overlapping rows in different orders deadlock (seen in the soak benchmark). Rows are
-        # found by primary key (= ANY(ARRAY(...))): a join lets the planner walk every running
-        # row of the table once per outcome, which made a flush of 50 cost milliseconds.
-        # `cancel`: Queue.cancel asked for the job to stop. Read here, from the locked rows,
-        # which are the newest versions: a cancel that committed after this statement's
-        # snapshot is seen (the other CTEs' scans see the snapshot's).
+        "{fence}"
+        " finished AS ("
+        "  DELETE FROM {s}.{j} j{arch}"
+        "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
+        # Jobs made final that a Queue.wait looks for: their ids to <schema>_done.
+        "  RETURNING j.*, CASE WHEN j.waited THEN pg_notify(%(done)s, j.id::text) END),"
+        " archived AS ({archived}),"
+        " counted AS (" + count_history("archived") + ")"
+    )
+    # Lock the rows in id order first, as the heartbeat does: two statements that lock
+    # overlapping rows in different orders deadlock (seen in the soak benchmark). Rows are
+    # found by primary key (= ANY(ARRAY(...))): a join lets the planner walk every running
+    # row of the table once per outcome, which made a flush of 50 cost milliseconds.
+    # `cancel`: Queue.cancel asked for the job to stop. Read here, from the locked rows,
+    # which are the newest versions: a cancel that committed after this statement's
+    # snapshot is seen (the other CTEs' scans see the snapshot's).
+    _LOCKED = (
         " locked AS MATERIALIZED ("
         "  SELECT j.id, j.attempts, j.cancel_requested_at IS NOT NULL AS cancel"
         "  FROM {s}.{j} j"
@@ -434,21 +444,26 @@ class WorkerStatements(Role):
         "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
         "  ORDER BY j.id FOR UPDATE OF j),"
         # `arch`: the outcome moves its job to history (_ARCHIVED); the others update it.
-        " mine AS MATERIALIZED ("
-        "  SELECT o.*, " + _ARCHIVED + " AS arch"
-        "  FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
         # Done and cancelled (a cancel the worker heard of) rows move to history, with the
         # result, and the error for a cancelled one. So does a retry or snooze of a job whose
         # cancel was asked for after its handler ended: it is cancelled, not run again.
-        " finished AS ("
-        "  DELETE FROM {s}.{j} j"
-        "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE arch))"
-        "    AND j.status::text = 'running' AND j.locked_by = %(worker)s"
-        # Jobs made final that a Queue.wait looks for: their ids to <schema>_done.
-        "  RETURNING j.*, CASE WHEN j.waited THEN pg_notify(%(done)s, j.id::text) END),"
-        " archived AS ({archived}),"
-        " counted AS (" + count_history("archived") + ")"
+        " mine AS MATERIALIZED ("
+        "  SELECT o.*, " + _ARCHIVED + " AS arch"
+        "  FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
     )
+    # A flush of done outcomes alone (DONE_OUTCOMES) has no `locked` or `mine`: every row
+    # moves to history whatever its cancel, so the DELETE is fenced on the attempt itself (a
+    # hashed subplan: `IS TRUE` keeps the planner from making it a join that reads `o` once
+    # per row). It locks its rows in id order all the same: a plain index scan of the primary
+    # key on `= ANY(...)` walks the array sorted, and workers plan no sequential or bitmap
+    # scan (_worker_plan_settings; tests/test_worker.py reads the plan). Where those settings
+    # are not in force (a pooled connection, a transaction pooler) the completer sends its
+    # done outcomes through the flush that locks first (Completer._write). The two CTEs cost
+    # ~4 us of server CPU a job at batch 10: a lock and a second write of each row, and
+    # their nodes' set-up at every execution (docs/how-it-works/fencing.md).
+    _DONE_ROWS = ("  WHERE j.id = ANY(ARRAY(SELECT id FROM o))"
+                  "    AND ((j.id, j.attempts) IN (SELECT id, attempt FROM o)) IS TRUE")
+
     # The rows that stay in jobs (retried, snoozed, failed): updated in place, and the queued
     # ones announced. Left out of the flush of a batch of done outcomes (DONE_OUTCOMES).
     _UPDATED_TEMPLATE = (
@@ -499,7 +514,11 @@ class WorkerStatements(Role):
                 last_error="nullif(right(concat_ws(E'\\n', last_error, m.error), 8000), '')")
             + "  , m.result FROM finished JOIN mine m USING (id) RETURNING id, queue, status")
         updated = "" if self.outcomes == DONE_OUTCOMES else self._UPDATED_TEMPLATE
-        return self._OUTCOME_TEMPLATE.replace("{archived}", archived) + updated
+        done = self.outcomes == DONE_OUTCOMES
+        return (self._OUTCOME_TEMPLATE.replace("{fence}", "" if done else self._LOCKED)
+                .replace("{arch}", self._DONE_ROWS if done else
+                         "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE arch))")
+                .replace("{archived}", archived) + updated)
 
     @cached_property
     def job_set_outcome_if_running_many(self) -> Statement:
@@ -716,8 +735,13 @@ class WorkerStatements(Role):
         # plan_cache_mode exists from PostgreSQL 12 on; older servers keep planning each time.
         # JIT off: a generic plan of the limited claim is estimated past jit_above_cost once
         # the table is large, and compiling it took a second on every claim.
+        # Bitmap scans off: a flush of done outcomes locks its rows in the order its DELETE
+        # reads them (WorkerStatements._DONE_ROWS), which is id order only for a plain index
+        # scan; a bitmap heap scan, chosen while the table is tiny and then kept, reads them
+        # in the heap's order.
         return sql.SQL(
             "SELECT set_config('enable_seqscan', 'off', {local}),"
+            " set_config('enable_bitmapscan', 'off', {local}),"
             " set_config('jit', 'off', {local}),"
             " CASE WHEN current_setting('server_version_num')::int >= 120000"
             " THEN set_config('plan_cache_mode', 'force_generic_plan', {local}) END"
