@@ -58,7 +58,8 @@ async def session_state(direct: str, pooled: str, connections: int) -> list[tupl
     """What each of the pooler's server connections carries: `connections` transactions open
     at once through the pooler each hold one of them; each reports its settings, prepared
     statements and LISTEN channels, against a fresh direct connection's."""
-    query = ("SELECT current_setting('enable_seqscan'), current_setting('plan_cache_mode'),"
+    query = ("SELECT current_setting('enable_seqscan'), current_setting('enable_bitmapscan'),"
+             " current_setting('plan_cache_mode'),"
              " current_setting('statement_timeout'), current_setting('jit'),"
              " (SELECT count(*) FROM pg_prepared_statements),"
              " (SELECT count(*) FROM pg_listening_channels())")

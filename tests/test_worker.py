@@ -369,6 +369,10 @@ async def test_a_done_flush_is_fenced_on_the_attempt_and_locks_rows_in_id_order(
     assert "hashed SubPlan" in delete, plan
     assert not any(n in delete for n in ("Join", "Nested Loop", "Sort", "LockRows")), plan
     assert "CTE locked" not in plan, plan
+    # Through jobs (no partition named, as after a switch) the DELETE would read one partition
+    # after the other, ids out of order across them: that flush locks its rows first.
+    everywhere = queue.database.sql_of(None, DONE_OUTCOMES).job_set_outcome_if_running_many
+    assert " locked AS MATERIALIZED (" in everywhere.as_string(None)
 
 
 async def test_the_fetcher_leaves_a_claim_to_a_flush_about_to_be_written(queue: Queue) -> None:

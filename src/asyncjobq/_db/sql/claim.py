@@ -451,16 +451,17 @@ class WorkerStatements(Role):
         "  SELECT o.*, " + _ARCHIVED + " AS arch"
         "  FROM o JOIN locked l ON l.id = o.id AND l.attempts = o.attempt),"
     )
-    # A flush of done outcomes alone (DONE_OUTCOMES) has no `locked` or `mine`: every row
-    # moves to history whatever its cancel, so the DELETE is fenced on the attempt itself (a
-    # hashed subplan: `IS TRUE` keeps the planner from making it a join that reads `o` once
-    # per row). It locks its rows in id order all the same: a plain index scan of the primary
-    # key on `= ANY(...)` walks the array sorted, and workers plan no sequential or bitmap
-    # scan (_worker_plan_settings; tests/test_worker.py reads the plan). Where those settings
-    # are not in force (a pooled connection, a transaction pooler) the completer sends its
-    # done outcomes through the flush that locks first (Completer._write). The two CTEs cost
-    # ~4 us of server CPU a job at batch 10: a lock and a second write of each row, and
-    # their nodes' set-up at every execution (docs/how-it-works/fencing.md).
+    # A flush of done outcomes alone (DONE_OUTCOMES) into one partition has no `locked` or
+    # `mine`: every row moves to history whatever its cancel, so the DELETE is fenced on the
+    # attempt itself (a hashed subplan: `IS TRUE` keeps the planner from making it a join
+    # that reads `o` once per row). It locks its rows in id order all the same: a plain index
+    # scan of the partition's primary key on `= ANY(...)` walks the array sorted, and workers
+    # plan no sequential or bitmap scan (_worker_plan_settings; tests/test_worker.py reads
+    # the plan). Where those settings are not in force (a pooled connection, a transaction
+    # pooler) the completer sends its done outcomes through the flush that locks first
+    # (Completer._write). The two CTEs cost ~4 us of server CPU a job at batch 10: a lock
+    # and a second write of each row, and their nodes' set-up at every execution
+    # (docs/how-it-works/fencing.md).
     _DONE_ROWS = ("  WHERE j.id = ANY(ARRAY(SELECT id FROM o))"
                   "    AND ((j.id, j.attempts) IN (SELECT id, attempt FROM o)) IS TRUE")
 
@@ -514,7 +515,9 @@ class WorkerStatements(Role):
                 last_error="nullif(right(concat_ws(E'\\n', last_error, m.error), 8000), '')")
             + "  , m.result FROM finished JOIN mine m USING (id) RETURNING id, queue, status")
         updated = "" if self.outcomes == DONE_OUTCOMES else self._UPDATED_TEMPLATE
-        done = self.outcomes == DONE_OUTCOMES
+        # Through `jobs` (no partition named) the DELETE reads one partition after the
+        # other, ids out of order across them: the rows are locked first there.
+        done = self.outcomes == DONE_OUTCOMES and self.part is not None
         return (self._OUTCOME_TEMPLATE.replace("{fence}", "" if done else self._LOCKED)
                 .replace("{arch}", self._DONE_ROWS if done else
                          "  WHERE j.id = ANY(ARRAY(SELECT id FROM mine WHERE arch))")
