@@ -321,15 +321,17 @@ async def test_a_done_flush_is_fenced_on_the_attempt_and_locks_rows_in_id_order(
     assert await Reaper(queue.database, lease=30, interval=1).reap() == 1
     (again,) = await fetcher.claim(1)
     assert (again.id, again.attempt) == (ids[0], 2)
-    shapes: list[int] = []
+    shapes: list[tuple[int | None, int]] = []  # (partition, outcomes) of each statement
     sql_of = queue.database.sql_of
 
     def recording(gen: int | None, outcomes: int = ANY_OUTCOMES) -> Any:
-        shapes.append(outcomes)
+        shapes.append((gen, outcomes))
         return sql_of(gen, outcomes)
 
     monkeypatch.setattr(queue.database, "sql_of", recording)
-    completer = Completer(queue.database, "w", max_batch=10)
+    # With the fetcher, as a worker's: it knows each job's partition (jobs_0), and the flush
+    # names it.
+    completer = Completer(queue.database, "w", max_batch=10, fetcher=fetcher)
     outcomes = [Outcome(i, first[i].attempt, "done") for i in reversed(ids)]
     assert outcomes_of(outcomes) == DONE_OUTCOMES
     for o in outcomes:
@@ -338,14 +340,14 @@ async def test_a_done_flush_is_fenced_on_the_attempt_and_locks_rows_in_id_order(
         tg.start_soon(completer.run)
         await wait_for(lambda: completer.backlog == 0, what="the flush")
         tg.cancel_scope.cancel()
-    assert completer.refused == 1 and shapes == [DONE_OUTCOMES]
+    assert completer.refused == 1 and shapes[0] == (0, DONE_OUTCOMES), shapes
     assert [await status_of(queue, i) for i in ids] == ["running", "done", "done"]
     assert (await queue.stats())["default"]["done"] == 2
     # A flush on a pooled connection, where the worker's plan settings are not in force,
     # locks its rows first.
     completer.add(Outcome(again.id, again.attempt, "done"))
     await completer.flush()
-    assert shapes == [DONE_OUTCOMES, PLAIN_OUTCOMES]
+    assert shapes[-1][1] == PLAIN_OUTCOMES, shapes
     assert await status_of(queue, ids[0]) == "done"
     monkeypatch.undo()
 
