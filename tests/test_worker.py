@@ -18,7 +18,12 @@ from psycopg import sql
 
 import asyncjobq
 from asyncjobq import Fail, Job, Queue, Retry, Worker
-from asyncjobq._db.sql.claim import ANY_OUTCOMES, DONE_OUTCOMES, PLAIN_OUTCOMES
+from asyncjobq._db.sql.claim import (
+    ANY_OUTCOMES,
+    DONE_OUTCOMES,
+    LOCKED_DONE_OUTCOMES,
+    PLAIN_OUTCOMES,
+)
 from asyncjobq._maintenance.reaper import Reaper
 from asyncjobq._worker.completer import Completer, outcomes_of
 from asyncjobq._worker.fetcher import Fetcher
@@ -344,10 +349,13 @@ async def test_a_done_flush_is_fenced_on_the_attempt_and_locks_rows_in_id_order(
     assert [await status_of(queue, i) for i in ids] == ["running", "done", "done"]
     assert (await queue.stats())["default"]["done"] == 2
     # A flush on a pooled connection, where the worker's plan settings are not in force,
-    # locks its rows first.
+    # locks its rows first (and is still the flush of done outcomes alone: no UPDATE).
     completer.add(Outcome(again.id, again.attempt, "done"))
     await completer.flush()
-    assert shapes[-1][1] == PLAIN_OUTCOMES, shapes
+    assert shapes[-1][1] == LOCKED_DONE_OUTCOMES, shapes
+    locked_first = sql_of(0, LOCKED_DONE_OUTCOMES).job_set_outcome_if_running_many
+    assert " locked AS MATERIALIZED (" in locked_first.as_string(None)
+    assert " updated AS (" not in locked_first.as_string(None)
     assert await status_of(queue, ids[0]) == "done"
     monkeypatch.undo()
 

@@ -243,7 +243,7 @@ class Database:
     def sql_of(self, gen: int | None, outcomes: int = 0) -> Statements:
         """The statements whose claims and completions name generation `gen`'s partition
         (None: jobs, every partition), with the worker's flush for `outcomes`
-        (sql/claim.py: ANY_OUTCOMES, PLAIN_OUTCOMES, DONE_OUTCOMES)."""
+        (sql/claim.py: ANY_OUTCOMES, PLAIN_OUTCOMES, DONE_OUTCOMES, LOCKED_DONE_OUTCOMES)."""
         return statements(self.schema, outcomes, gen)
 
     @property

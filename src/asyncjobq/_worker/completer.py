@@ -25,7 +25,12 @@ from .._checks import compact_json, storable_text
 from .._db.database import Database
 from .._db.ownconn import OwnConnection
 from .._db.retrying import RETRYABLE, RetryPolicy
-from .._db.sql.claim import ANY_OUTCOMES, DONE_OUTCOMES, PLAIN_OUTCOMES
+from .._db.sql.claim import (
+    ANY_OUTCOMES,
+    DONE_OUTCOMES,
+    LOCKED_DONE_OUTCOMES,
+    PLAIN_OUTCOMES,
+)
 from ..job import log_fields
 from .fetcher import Fetcher, FoldedClaim
 from .outcome import Outcome
@@ -248,8 +253,8 @@ class Completer:
         plain = outcomes_of(batch)
         if plain == DONE_OUTCOMES and not (own is not None and own.plans_as_worker):
             # The flush of done outcomes alone locks its rows in id order only as workers
-            # plan it (sql/claim.py _DONE_ROWS): elsewhere, the flush that locks them first.
-            plain = PLAIN_OUTCOMES
+            # plan it (sql/claim.py _DONE_ROWS): elsewhere, the same flush locking them first.
+            plain = LOCKED_DONE_OUTCOMES
         # The partition the batch's jobs were claimed from (0013_generations.sql); None when
         # they come from both, or are unknown: the statement names jobs, every partition.
         gens = {self._gen_of(o) for o in batch}

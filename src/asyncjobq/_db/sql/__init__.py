@@ -41,6 +41,7 @@ def statements(schema: str, outcomes: int = 0, part: int | None = None
                ) -> Statements:
     """The statements of `schema`; `outcomes`: the worker's flush for batches of any outcomes
     (claim.py ANY_OUTCOMES), of outcomes done without a result or failed (PLAIN_OUTCOMES), or
-    done without a result only (DONE_OUTCOMES) (WorkerStatements._OUTCOME_CTES); `part`: the
-    generation whose partition the worker's claims and completions name (Role)."""
+    done without a result only (DONE_OUTCOMES, or LOCKED_DONE_OUTCOMES: its rows locked
+    first) (WorkerStatements._OUTCOME_CTES); `part`: the generation whose partition the
+    worker's claims and completions name (Role)."""
     return Statements(schema, outcomes, part)

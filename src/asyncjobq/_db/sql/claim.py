@@ -69,8 +69,11 @@ _ARCHIVED = "kind IN ('done', 'cancelled') OR (kind IN ('retry', 'snooze') AND c
 
 # What a flush's outcomes are (Statements.outcomes): any kind; done without a result or
 # failed (the history row needs no join with the outcomes); done without a result only (no
-# row stays in jobs: no UPDATE, no notification of requeued rows in the statement).
-ANY_OUTCOMES, PLAIN_OUTCOMES, DONE_OUTCOMES = 0, 1, 2
+# row stays in jobs: no UPDATE, no notification of requeued rows in the statement); the same
+# with the rows locked first, for a connection without the workers' plan settings
+# (WorkerStatements._DONE_ROWS).
+ANY_OUTCOMES, PLAIN_OUTCOMES, DONE_OUTCOMES, LOCKED_DONE_OUTCOMES = 0, 1, 2, 3
+_DONE_SHAPES = (DONE_OUTCOMES, LOCKED_DONE_OUTCOMES)
 
 
 class WorkerStatements(Role):
@@ -458,8 +461,8 @@ class WorkerStatements(Role):
     # scan of the partition's primary key on `= ANY(...)` walks the array sorted, and workers
     # plan no sequential or bitmap scan (_worker_plan_settings; tests/test_worker.py reads
     # the plan). Where those settings are not in force (a pooled connection, a transaction
-    # pooler) the completer sends its done outcomes through the flush that locks first
-    # (Completer._write). The two CTEs cost ~4 us of server CPU a job at batch 10: a lock
+    # pooler) the completer sends its done outcomes as LOCKED_DONE_OUTCOMES, which lock
+    # first (Completer._write). The two CTEs cost ~4 us of server CPU a job at batch 10: a lock
     # and a second write of each row, and their nodes' set-up at every execution
     # (docs/how-it-works/fencing.md).
     _DONE_ROWS = ("  WHERE j.id = ANY(ARRAY(SELECT id FROM o))"
@@ -496,7 +499,7 @@ class WorkerStatements(Role):
     def _updated_rows(self, select: str, nulls: str) -> str:
         """The union branches of the updated rows (`select` FROM updated) and of the
         requeued notifications (none returned): nothing in a flush of done outcomes."""
-        if self.outcomes == DONE_OUTCOMES:
+        if self.outcomes in _DONE_SHAPES:
             return ""
         return f" UNION ALL SELECT {select} FROM updated" + self._REQUEUED_NONE.format(
             nulls=nulls)
@@ -514,7 +517,7 @@ class WorkerStatements(Role):
                 "CASE m.kind WHEN 'done' THEN 'done' ELSE 'cancelled' END::{s}.job_status"),
                 last_error="nullif(right(concat_ws(E'\\n', last_error, m.error), 8000), '')")
             + "  , m.result FROM finished JOIN mine m USING (id) RETURNING id, queue, status")
-        updated = "" if self.outcomes == DONE_OUTCOMES else self._UPDATED_TEMPLATE
+        updated = "" if self.outcomes in _DONE_SHAPES else self._UPDATED_TEMPLATE
         # Through `jobs` (no partition named) the DELETE reads one partition after the
         # other, ids out of order across them: the rows are locked first there.
         done = self.outcomes == DONE_OUTCOMES and self.part is not None

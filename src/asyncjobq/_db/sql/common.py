@@ -152,7 +152,7 @@ class Role:
 
     schema: str
     # The worker's flush for batches of which outcomes (claim.py: ANY_OUTCOMES, PLAIN_OUTCOMES,
-    # DONE_OUTCOMES).
+    # DONE_OUTCOMES, LOCKED_DONE_OUTCOMES).
     outcomes: int = 0
     # The partition of jobs the worker's claims and completions name (`{j}`): jobs_<part>,
     # the generation they read (0013_generations.sql); None: jobs itself, every partition.
