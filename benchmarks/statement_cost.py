@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 
 from asyncjobq._db.sql import statements
-from asyncjobq._db.sql.claim import DONE_OUTCOMES, PLAIN_OUTCOMES, WorkerStatements
+from asyncjobq._db.sql.claim import DONE_OUTCOMES, LOCKED_DONE_OUTCOMES, PLAIN_OUTCOMES
 from asyncjobq._db.sql.common import HISTORY_SHARD
 from asyncjobq._worker.floors import PEEK_EVERY
 
@@ -78,19 +78,6 @@ def _append_count(text: str) -> str:
                         "SELECT queue, status, count(*)")
     head = head.replace(" ORDER BY queue, status", "")
     return text[:i] + head + text[k:]
-
-
-def _locked_done(text: str) -> str:
-    """The flush of done outcomes as it was before the DELETE fenced its rows itself: the
-    `locked` and `mine` CTEs of the other flushes (WorkerStatements._LOCKED) in front."""
-    head, sep, tail = text.partition(" finished AS (")
-    target = tail.split("DELETE FROM ", 1)[1].split(" j ", 1)[0]  # "schema".jobs_<gen>
-    schema, table = target.split(".")
-    locked = WorkerStatements._LOCKED.replace("{s}", schema).replace("{j}", table)
-    cut = tail.index(" AND j.status::text")
-    tail = (tail[:tail.index(" WHERE j.id")] + " WHERE j.id = ANY(ARRAY(SELECT id FROM mine"
-            " WHERE arch))" + tail[cut:])
-    return head + locked + sep + tail
 
 
 def _drop(kind: str, *names: str) -> str:
@@ -146,7 +133,9 @@ VARIANTS = {v.name: v for v in [
     Variant("append-count",
             "CREATE TABLE {s}.history_count_log (queue text, status {s}.job_status, n bigint);",
             edit=_append_count),
-    Variant("locked-done", edit=_locked_done, outcomes=DONE_OUTCOMES),
+    # The done flush that locks its rows first (as the done-only flush was before, and as
+    # connections without the workers' plan settings send it).
+    Variant("locked-done", outcomes=LOCKED_DONE_OUTCOMES),
     Variant("no-count", edit=_cut(" counted AS (", " updated AS (", " claimed AS (")),
     Variant("done-only", outcomes=DONE_OUTCOMES),
 ]}

@@ -8,7 +8,7 @@ from functools import cached_property
 from psycopg import sql
 
 from asyncjobq._db.sql import Statements, statements
-from asyncjobq._db.sql.claim import DONE_OUTCOMES, PLAIN_OUTCOMES
+from asyncjobq._db.sql.claim import DONE_OUTCOMES, LOCKED_DONE_OUTCOMES, PLAIN_OUTCOMES
 from asyncjobq._db.sql.common import rendered
 
 
@@ -17,14 +17,20 @@ def test_every_statement_renders_to_one_line_without_comments_or_dollar_quotes()
              if isinstance(v, cached_property)}
     assert len(names) > 50
     for st in (statements("a schema"), statements("a schema", outcomes=PLAIN_OUTCOMES),
-               statements("a schema", outcomes=DONE_OUTCOMES)):
+               statements("a schema", outcomes=DONE_OUTCOMES),
+               statements("a schema", outcomes=DONE_OUTCOMES, part=0),
+               statements("a schema", outcomes=LOCKED_DONE_OUTCOMES, part=0)):
         for name in names:
             text = getattr(st, name).as_string(None)
             assert "--" not in text and "/*" not in text and "$$" not in text, name
             assert "\n" not in text.replace("E'\\n'", ""), name
             assert '"a schema"' in text or "{s}" not in text, name
             if name.startswith("job_set_outcome"):  # the done flush updates no row
-                assert ("updated AS" in text) == (st.outcomes != DONE_OUTCOMES), name
+                assert ("updated AS" in text) == (
+                    st.outcomes not in (DONE_OUTCOMES, LOCKED_DONE_OUTCOMES)), name
+                # Only the done flush naming a partition deletes without locking first.
+                assert ("locked AS" in text) == (
+                    st.outcomes != DONE_OUTCOMES or st.part is None), name
 
 
 def test_rendering_keeps_what_is_quoted() -> None:

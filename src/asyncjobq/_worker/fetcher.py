@@ -426,7 +426,8 @@ class Fetcher:
         (stopping, or no free slot), or when the flush's outcomes are of jobs of another
         generation (`gen`) than the one this claim would read: one statement names one
         partition. `plain`: what the flush's outcomes are (sql/claim.py, PLAIN_OUTCOMES:
-        done without results, or failed; DONE_OUTCOMES: done without results).
+        done without results, or failed; DONE_OUTCOMES and LOCKED_DONE_OUTCOMES: done
+        without results).
         """
         if self.stopping or self._suspect or self._narrow:
             return None
