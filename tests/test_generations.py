@@ -16,6 +16,9 @@ from conftest import execute, fetchval, running, wait_for
 from psycopg import sql
 
 from asyncjobq import Job, Queue, SchemaNotInstalledError, Worker
+from asyncjobq._worker.completer import Completer
+from asyncjobq._worker.fetcher import Fetcher
+from asyncjobq._worker.outcome import Outcome
 
 
 async def _gen(q: Queue) -> int:
@@ -422,3 +425,37 @@ async def test_an_install_ended_by_a_deadlock_is_tried_again(
             await asyncio.to_thread(thread.join)
     assert read == [0]  # the other session was not the one ended
     assert applied == [m.version for m in every if m.version > 13]
+
+
+async def test_a_completion_that_waited_for_a_moved_row_finds_it_again(
+        queue: Queue, pg_dsn: str) -> None:
+    """A flush through `jobs` (no partition named: a pooled flush, a worker with limited
+    tasks, a batch from both generations) that waits for a row the leader's drain is moving
+    finds the old version deleted, and the moved one is newer than its snapshot. Its second
+    look, a statement of its own, finds the job in the current partition: refused there, the
+    finished job would be reaped and run again."""
+    job_id = (await queue.enqueue_many("t", [{}]))[0]
+    fetcher = Fetcher(queue.database, "w", ["default"], batch_size=1, concurrency=1,
+                      poll_interval=1, free_slots=lambda: 1, dispatch=lambda j: None)
+    fetcher.gen = 0
+    (job,) = await fetcher.claim(1)
+    assert await _rotate(queue) == 0  # jobs_1 is current; the running row stays in jobs_0
+    completer = Completer(queue.database, "w", max_batch=10)  # no fetcher: through `jobs`
+    completer.add(Outcome(job.id, job.attempt, "done"))
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as mover:
+        await mover.execute(sql.SQL("SELECT {}.drain_old_jobs(100)").format(
+            sql.Identifier(queue.schema)))  # moved, not committed: the row stays locked
+        cur = await mover.execute("SELECT pg_backend_pid()")
+        row = await cur.fetchone()
+        assert row is not None
+        flush = asyncio.ensure_future(completer.flush())
+        await wait_for(lambda: fetchval(queue, "SELECT count(*) > 0 FROM pg_stat_activity"
+                                        " WHERE %s = ANY(pg_blocking_pids(pid))", row[0]),
+                       10, what="the flush waiting for the moved row")
+        await mover.commit()
+    await asyncio.wait_for(flush, 10)
+    assert completer.refused == 0
+    info = await queue.get(job_id)
+    assert info is not None and info.status == "done"
+    assert (await queue.stats())["default"]["done"] == 1
+

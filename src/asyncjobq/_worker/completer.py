@@ -273,10 +273,13 @@ class Completer:
                 else:
                     accepted = await self._set_outcomes_then_claim(cur, params, claim)
                     claim = None  # committed and handed out, whatever follows
-                if gen is not None and len(accepted) < len(batch):
+                if len(accepted) < len(batch):
                     # A job the leader's rotation moved while it ran is in the other
-                    # partition now: its outcome is looked for in every one. The first
-                    # statement committed: if this one fails, only these go back.
+                    # partition now: its outcome is looked for in every one, by a statement
+                    # of its own. Also when the first named `jobs`: a move that committed
+                    # while it waited for the row left it the deleted version, and the moved
+                    # one came after its snapshot. The first statement committed: if this
+                    # one fails, only these go back.
                     again = [o for o in batch if o.job_id not in accepted]
                     try:
                         accepted |= await self._set_outcomes(
