@@ -14,7 +14,7 @@ from typing import Any
 from asyncjobq import Queue
 
 from .ceiling import pgbench
-from .common import Server, checkpoint, drop_schema, fresh_schema, install_schema
+from .common import Server, checkpoint, drop_schema, fresh_schema, install_schema, server_cpu_s
 
 SCHEMA = "bench_enqueue"
 
@@ -38,7 +38,7 @@ def pgbench_cell(server: Server, rows: int, clients: int, duration: float) -> di
             "latency_ms": res["latency_ms"]}
 
 
-async def _enqueue(dsn: str, mode: str, n: int, coroutines: int) -> float:
+async def _enqueue(dsn: str, mode: str, n: int, coroutines: int) -> dict[str, Any]:
     q = Queue(dsn, schema=SCHEMA)
     async with q:
         # Warm the pool up to what the run will use, outside the timing.
@@ -47,6 +47,9 @@ async def _enqueue(dsn: str, mode: str, n: int, coroutines: int) -> float:
                 await c.execute("SELECT 1")
                 await asyncio.sleep(0.05)
         await asyncio.gather(*(warm() for _ in range(min(coroutines, 10))))
+        # The CPU of the timed part alone: the server's (every PostgreSQL process, nothing
+        # else may use it meanwhile) and this producer process's.
+        cpu0, own0 = server_cpu_s(), time.process_time()
         t0 = time.perf_counter()
         if mode == "one":
             per = n // coroutines
@@ -63,16 +66,20 @@ async def _enqueue(dsn: str, mode: str, n: int, coroutines: int) -> float:
             for _ in range(n // 100):
                 await q.enqueue_many("noop", [{}] * 100)
             done = n // 100 * 100
-        return done / (time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        cpu1, own1 = server_cpu_s(), time.process_time()
+        return {"rows_per_s": done / elapsed, "rows": done,
+                "server_cpu_s": cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
+                "producer_cpu_s": own1 - own0}
 
 
 def asyncjobq_cell(server: Server, mode: str, n: int, coroutines: int = 1) -> dict[str, Any]:
     _fresh(server)
     from asyncjobq.runtime import run
 
-    rate = run(_enqueue, server.dsn, mode, n, coroutines)
+    result = run(_enqueue, server.dsn, mode, n, coroutines)
     drop_schema(server, SCHEMA)
-    return {"rows_per_s": rate}
+    return result
 
 
 def cells(server: Server, n_one: int, n_many: int, duration: float) -> list[tuple[str, Any]]:

@@ -13,7 +13,8 @@ alternating, medians of 3; written for the cost of flow control (issue 21), its 
 - article loop: ceiling.py's two statements through pgbench over the same number of jobs
   (`loop`): every cell's server CPU per job is also given against it.
 
-`--enqueue one:50` (MODE:COROUTINES, benchmarks/enqueue.py) enqueues --jobs jobs instead.
+`--enqueue one:50` (MODE:COROUTINES, benchmarks/enqueue.py) enqueues --jobs jobs instead; its
+"worker CPU" is then the producer process's, both CPUs over the timed enqueue alone.
 
 Both trees run this tree's benchmarks/ (copied over the base worktree's), so that only src/
 differs. Server CPU per job is the PostgreSQL processes' CPU from release to drained
@@ -68,8 +69,9 @@ ENQUEUE_CELL = (
     "    r = asyncjobq_cell(server, sys.argv[2], int(sys.argv[1]), int(sys.argv[3]))\n"
     "finally:\n"
     "    server.stop()\n"
-    "print('RESULT ' + json.dumps({'jobs_per_s': r['rows_per_s'], 'done': int(sys.argv[1]),\n"
-    "                              'worker_cpu_s': float('nan'), 'server_cpu_s': None}))\n"
+    "print('RESULT ' + json.dumps({'jobs_per_s': r['rows_per_s'], 'done': r['rows'],\n"
+    "                              'worker_cpu_s': r['producer_cpu_s'],\n"
+    "                              'server_cpu_s': r['server_cpu_s']}))\n"
 )
 
 
@@ -207,12 +209,16 @@ def server_per_job(runs: list[dict[str, Any]]) -> float:
 
 def worker_us(runs: list[dict[str, Any]]) -> str:
     per_job = median(1e6 * x["worker_cpu_s"] / x["done"] for x in runs if x["done"])
-    return "-" if per_job != per_job else f"{per_job:.0f}"
+    return _us(per_job)
 
 
 def server_us(runs: list[dict[str, Any]]) -> str:
-    per_job = server_per_job(runs)
-    return "-" if per_job != per_job else f"{per_job:.0f}"
+    return _us(server_per_job(runs))
+
+
+def _us(per_job: float) -> str:
+    # An enqueue's few µs a row need their tenths.
+    return "-" if per_job != per_job else f"{per_job:.{1 if per_job < 20 else 0}f}"
 
 
 if __name__ == "__main__":
