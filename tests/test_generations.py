@@ -1,7 +1,8 @@
 """Jobs in two generations (0013_generations.sql, src/asyncjobq/_maintenance/rotation.py): the
 leader empties the other partition by TRUNCATE and makes it current, and no job is lost, run
-twice or freed of its dedup_key, a running one moved keeps its outcome, a workflow's parent
-moved keeps its children waiting, and a switch that cannot take its lock changes nothing."""
+twice or freed of its dedup_key, a running one moved keeps its outcome and its lease (also
+when a statement waited for its row while it moved), a workflow's parent moved keeps its
+children waiting, and a switch that cannot take its lock changes nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Awaitable
+from datetime import UTC, datetime
+from typing import TypeVar
 
 import psycopg
 import pytest
@@ -18,7 +22,10 @@ from psycopg import sql
 from asyncjobq import Job, Queue, SchemaNotInstalledError, Worker
 from asyncjobq._worker.completer import Completer
 from asyncjobq._worker.fetcher import Fetcher
+from asyncjobq._worker.misplaced import Mover
 from asyncjobq._worker.outcome import Outcome
+
+T = TypeVar("T")
 
 
 async def _gen(q: Queue) -> int:
@@ -427,6 +434,28 @@ async def test_an_install_ended_by_a_deadlock_is_tried_again(
     assert applied == [m.version for m in every if m.version > 13]
 
 
+async def _while_moved(queue: Queue, pg_dsn: str, statement: Awaitable[T], what: str) -> T:
+    """Runs `statement` (it writes to a running job in jobs_0, jobs_1 being current) while
+    the leader's drain moves the job into jobs_1: it waits for the row, and the move commits.
+    Its snapshot predates the move: the version it finds is deleted, the moved one unseen."""
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as mover:
+        await mover.execute(sql.SQL("SELECT {}.drain_old_jobs(100)").format(
+            sql.Identifier(queue.schema)))  # moved, not committed: the row stays locked
+        cur = await mover.execute("SELECT pg_backend_pid()")
+        row = await cur.fetchone()
+        assert row is not None
+        task = asyncio.ensure_future(statement)
+        try:
+            await wait_for(lambda: fetchval(queue, "SELECT count(*) > 0 FROM pg_stat_activity"
+                                            " WHERE %s = ANY(pg_blocking_pids(pid))", row[0]),
+                           10, what=f"{what} waiting for the moved row")
+        except BaseException:
+            task.cancel()
+            raise
+        await mover.commit()
+    return await asyncio.wait_for(task, 10)
+
+
 async def test_a_completion_that_waited_for_a_moved_row_finds_it_again(
         queue: Queue, pg_dsn: str) -> None:
     """A flush through `jobs` (no partition named: a pooled flush, a worker with limited
@@ -442,20 +471,63 @@ async def test_a_completion_that_waited_for_a_moved_row_finds_it_again(
     assert await _rotate(queue) == 0  # jobs_1 is current; the running row stays in jobs_0
     completer = Completer(queue.database, "w", max_batch=10)  # no fetcher: through `jobs`
     completer.add(Outcome(job.id, job.attempt, "done"))
-    async with await psycopg.AsyncConnection.connect(pg_dsn) as mover:
-        await mover.execute(sql.SQL("SELECT {}.drain_old_jobs(100)").format(
-            sql.Identifier(queue.schema)))  # moved, not committed: the row stays locked
-        cur = await mover.execute("SELECT pg_backend_pid()")
-        row = await cur.fetchone()
-        assert row is not None
-        flush = asyncio.ensure_future(completer.flush())
-        await wait_for(lambda: fetchval(queue, "SELECT count(*) > 0 FROM pg_stat_activity"
-                                        " WHERE %s = ANY(pg_blocking_pids(pid))", row[0]),
-                       10, what="the flush waiting for the moved row")
-        await mover.commit()
-    await asyncio.wait_for(flush, 10)
+    await _while_moved(queue, pg_dsn, completer.flush(), "the flush")
     assert completer.refused == 0
     info = await queue.get(job_id)
     assert info is not None and info.status == "done"
     assert (await queue.stats())["default"]["done"] == 1
 
+
+async def test_a_heartbeat_that_waited_for_a_moved_row_keeps_the_lease(
+        queue: Queue, pg_dsn: str) -> None:
+    """A heartbeat that waits for the row of a running job while the leader's drain moves it
+    finds the old version deleted: its second look finds the job in the current partition.
+    Taken for lost, the handler would be cancelled and the job reaped and run again."""
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    @queue.task(name="slow")
+    async def slow(job: Job) -> str:
+        started.set()
+        await release.wait()
+        return "ok"
+
+    # A lease of 300 s: the only beat in the test is the one it sends.
+    w = Worker(queue, concurrency=2, poll_interval=0.1, lease=300)
+    async with running(w):
+        job_id = await slow.enqueue({})
+        await asyncio.wait_for(started.wait(), 10)
+        await _rotate(queue)  # jobs_1 is current; the running row stays in jobs_0
+        assert w.heartbeat is not None
+        beats = w.heartbeat.beats
+        await _while_moved(queue, pg_dsn, w.heartbeat.beat(), "the heartbeat")
+        assert w.heartbeat.beats == beats + 1
+        assert (await _where(queue))[job_id] == (1, "running")
+        release.set()
+        await wait_for(lambda: w.completed == 1, 10, what="its outcome written")
+    assert w.completer is not None and w.completer.refused == 0
+    result = await queue.get(job_id)
+    assert result is not None and result.status == "done" and result.result == "ok"
+
+
+async def test_a_misplaced_job_moved_meanwhile_still_goes_to_its_queue(
+        queue: Queue, pg_dsn: str) -> None:
+    """A worker that claimed a limited task's job outside the task's queue sends it there
+    (_worker/misplaced.py). Waiting for its row while the leader's drain moves it, the UPDATE
+    finds it deleted; the second look moves it: left running, the job would wait for the
+    reaper and lose an attempt it never ran."""
+    @queue.task(name="export", queue="exports", rate_limit="5/s")
+    async def export(job: Job) -> None:
+        pass
+
+    job_id = await fetchval(queue, "SELECT {s}.enqueue('export', '{{}}')")  # into 'default'
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1,"
+                  " locked_by = 'w', locked_at = now() WHERE id = %s", job_id)
+    assert await _rotate(queue) == 0  # jobs_1 is current; the running row stays in jobs_0
+    job = Job(id=job_id, task="export", queue="default", payload={}, priority=0, attempt=1,
+              max_attempts=3, run_at=datetime.now(UTC), created_at=datetime.now(UTC),
+              worker="w")
+    assert await _while_moved(queue, pg_dsn, Mover(queue.database, "w").move(job, export),
+                              "the move to the task's queue") is True
+    assert (await _where(queue))[job_id] == (1, "queued")
+    assert await fetchval(queue, "SELECT queue FROM {s}.jobs WHERE id = %s", job_id) == "exports"

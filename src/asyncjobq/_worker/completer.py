@@ -31,6 +31,7 @@ from .._db.sql.claim import (
     LOCKED_DONE_OUTCOMES,
     PLAIN_OUTCOMES,
 )
+from ..errors import reason
 from ..job import log_fields
 from .fetcher import Fetcher, FoldedClaim
 from .outcome import Outcome
@@ -273,27 +274,36 @@ class Completer:
                 else:
                     accepted = await self._set_outcomes_then_claim(cur, params, claim)
                     claim = None  # committed and handed out, whatever follows
-                if len(accepted) < len(batch):
-                    # A job the leader's rotation moved while it ran is in the other
-                    # partition now: its outcome is looked for in every one, by a statement
-                    # of its own. Also when the first named `jobs`: a move that committed
-                    # while it waited for the row left it the deleted version, and the moved
-                    # one came after its snapshot. The first statement committed: if this
-                    # one fails, only these go back.
-                    again = [o for o in batch if o.job_id not in accepted]
+                # A job the leader's rotation moved while it ran is in the other partition
+                # now: its outcome is looked for in every one, by a statement of its own.
+                # Also when the first named `jobs`: a move that committed while it waited
+                # for the row left it the deleted version, and the moved one came after its
+                # snapshot. The first statement committed: if this one fails, only these go
+                # back. (None left when the refused outcome is an older attempt of a job
+                # whose newer one was accepted.)
+                again = ([o for o in batch if o.job_id not in accepted]
+                         if len(accepted) < len(batch) else [])
+                if again:
                     try:
                         accepted |= await self._set_outcomes(
                             cur, {**params, "outcomes": encode_outcomes(again)}, plain, None)
-                    except RETRYABLE:
+                    except RETRYABLE as e:
+                        log.warning("%d outcome(s) refused by a flush could not be looked "
+                                    "for again (%s): the next flush writes them", len(again),
+                                    reason(e))
                         later = again
             written = True
         finally:
             if claim is not None and not written:
                 assert self._fetcher is not None
                 self._fetcher.folded_failed(claim)
+            if later and written:
+                # Back in the buffer before they leave the flush in flight: the heartbeat
+                # renews the leases of both (pending()), and must not miss them between.
+                # (Not written, the whole batch goes back.)
+                self._requeue(later)
             self._done_with(batch, written=written)
         if later:
-            self._requeue(later)
             batch = [o for o in batch if o not in later]
         if self._fetcher is not None:
             for o in batch:

@@ -316,6 +316,17 @@ class Heartbeat:
             conn.execute(self._db.sql.local_statement_timeout, (self._statement_timeout,))
             return conn.execute(self._db.sql.job_heartbeat_many, params).fetchall()
 
+    def _held(self, conn: psycopg.Connection[tuple[object, ...]], leased: Keys,
+              ) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+        """The attempts of `leased` still this worker's, their leases extended, and those of
+        them whose cancel was asked for."""
+        rows = self._send(conn, {
+            "ids": [i for i, _ in leased], "attempts": [a for _, a in leased],
+            "worker": self._worker_id})
+        kept = {(int(r[0]), int(r[1])) for r in rows}  # type: ignore[call-overload]
+        cancel = {(int(r[0]), int(r[1])) for r in rows if r[2]}  # type: ignore[call-overload]
+        return kept, cancel
+
     def _beat(
         self, conn: psycopg.Connection[tuple[object, ...]] | None
     ) -> psycopg.Connection[tuple[object, ...]] | None:
@@ -327,11 +338,15 @@ class Heartbeat:
         try:
             if conn is None or conn.closed:
                 conn = self._connect()
-            rows = self._send(conn, {
-                "ids": [i for i, _ in leased], "attempts": [a for _, a in leased],
-                "worker": self._worker_id})
-            kept = {(int(r[0]), int(r[1])) for r in rows}  # type: ignore[call-overload]
-            cancel = {(int(r[0]), int(r[1])) for r in rows if r[2]}  # type: ignore[call-overload]
+            kept, cancel = self._held(conn, leased)
+            if len(kept) < len(leased):
+                # A row the leader's rotation moved while this beat waited for it: the
+                # version it locked was deleted, and the moved one is newer than its
+                # snapshot (docs/how-it-works/storage.md). A statement of its own sees the
+                # move; what it does not find was lost.
+                again, cancel_again = self._held(conn, [k for k in leased if k not in kept])
+                kept |= again
+                cancel |= cancel_again
         except psycopg.Error as e:
             self._failed(e)
             _close(conn)

@@ -46,6 +46,11 @@ class Mover:
                 async with self._db.connection() as conn:
                     cur = await conn.execute(self._db.sql.job_move_to_task_queue, params)
                     row = await cur.fetchone()
+                    if row is None:
+                        # A statement of its own sees a move of the row by the leader's
+                        # rotation that this one waited for (docs/how-it-works/storage.md).
+                        cur = await conn.execute(self._db.sql.job_move_to_task_queue, params)
+                        row = await cur.fetchone()
                 self._retry.succeeded()
                 break
             except RETRYABLE as e:
