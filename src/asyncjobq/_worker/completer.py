@@ -262,8 +262,8 @@ class Completer:
         gen = gens.pop() if len(gens) == 1 else None
         claim = (self._fetcher.fold(plain, gen) if fold and self._fetcher is not None
                  else None)
-        written = False
-        later: list[Outcome] = []  # outcomes to write again: their second look failed
+        written = False  # the first statement committed: the batch is not sent again
+        later: list[Outcome] = []  # outcomes to write again: their second look did not end
         started = time.monotonic() if self._on_flushed is not None else 0.0
         try:
             conn_cm = own.connection() if own is not None else self._db.connection()
@@ -274,33 +274,33 @@ class Completer:
                 else:
                     accepted = await self._set_outcomes_then_claim(cur, params, claim)
                     claim = None  # committed and handed out, whatever follows
+                written = True
                 # A job the leader's rotation moved while it ran is in the other partition
                 # now: its outcome is looked for in every one, by a statement of its own.
                 # Also when the first named `jobs`: a move that committed while it waited
                 # for the row left it the deleted version, and the moved one came after its
-                # snapshot. The first statement committed: if this one fails, only these go
-                # back. (None left when the refused outcome is an older attempt of a job
-                # whose newer one was accepted.)
+                # snapshot. If this one fails or is cancelled, only these go back. (None
+                # left when the refused outcome is an older attempt of a job whose newer one
+                # was accepted.)
                 again = ([o for o in batch if o.job_id not in accepted]
                          if len(accepted) < len(batch) else [])
                 if again:
+                    later = again
                     try:
                         accepted |= await self._set_outcomes(
                             cur, {**params, "outcomes": encode_outcomes(again)}, plain, None)
+                        later = []
                     except RETRYABLE as e:
                         log.warning("%d outcome(s) refused by a flush could not be looked "
                                     "for again (%s): the next flush writes them", len(again),
                                     reason(e))
-                        later = again
-            written = True
         finally:
             if claim is not None and not written:
                 assert self._fetcher is not None
                 self._fetcher.folded_failed(claim)
-            if later and written:
+            if later:
                 # Back in the buffer before they leave the flush in flight: the heartbeat
                 # renews the leases of both (pending()), and must not miss them between.
-                # (Not written, the whole batch goes back.)
                 self._requeue(later)
             self._done_with(batch, written=written)
         if later:

@@ -339,14 +339,15 @@ class Heartbeat:
             if conn is None or conn.closed:
                 conn = self._connect()
             kept, cancel = self._held(conn, leased)
-            if len(kept) < len(leased):
-                # A row the leader's rotation moved while this beat waited for it: the
-                # version it locked was deleted, and the moved one is newer than its
-                # snapshot (docs/how-it-works/storage.md). A statement of its own sees the
-                # move; what it does not find was lost.
-                again, cancel_again = self._held(conn, [k for k in leased if k not in kept])
-                kept |= again
-                cancel |= cancel_again
+            # Not found: written meanwhile (an outcome pending when the beat began), reaped,
+            # or a row the leader's rotation moved while this beat waited for it, whose
+            # locked version was deleted and whose moved one is newer than the snapshot
+            # (docs/how-it-works/storage.md). Only the attempts still leased now are looked
+            # for again.
+            again = [k for k in leased if k not in kept]
+            if again:
+                still = set(self._renew())
+                again = [k for k in again if k in still]
         except psycopg.Error as e:
             self._failed(e)
             _close(conn)
@@ -354,7 +355,23 @@ class Heartbeat:
         self._last_ok = sent
         self._errors_seen.clear()
         self.beats += 1
-        lost = set(leased) - kept
+        unknown: set[tuple[int, int]] = set()  # not settled this beat: the next one looks
+        if again and time.monotonic() - sent < self._bound / 2:
+            # A statement of its own sees the move. Its failure loses nothing the first
+            # statement renewed.
+            try:
+                found, cancel_found = self._held(conn, again)
+                kept |= found
+                cancel |= cancel_found
+            except psycopg.Error as e:
+                log.debug("heartbeat: %d attempt(s) not looked for again (%s)", len(again),
+                          reason(e))
+                _close(conn)
+                conn = None
+                unknown = set(again)
+        else:
+            unknown = set(again)  # the beat has taken half its bound: the next one looks
+        lost = set(leased) - kept - unknown
         if (lost or cancel) and self._loop is not None:
             try:
                 if lost:
