@@ -531,3 +531,30 @@ async def test_a_misplaced_job_moved_meanwhile_still_goes_to_its_queue(
                               "the move to the task's queue") is True
     assert (await _where(queue))[job_id] == (1, "queued")
     assert await fetchval(queue, "SELECT queue FROM {s}.jobs WHERE id = %s", job_id) == "exports"
+
+
+@pytest.mark.parametrize("end", ["done", "failed"])
+async def test_a_child_moved_while_its_parent_ends_is_still_settled(
+        queue: Queue, pg_dsn: str, end: str) -> None:
+    """A parent's end settles its waiting child in the statement that ends it
+    (job_deps_settle): done releases it, dead-lettered cancels it. Waiting for the child's row
+    while the leader's drain moves it, that statement finds it deleted: the child is looked
+    for again by a statement of its own (0016_settle_moved.sql). Missed, the edge counted as
+    applied and the child waited for ever."""
+    parent = await queue.enqueue("p", {})
+    child = await queue.enqueue("c", {}, after=[parent])
+    await _rotate(queue)  # jobs_1 is current, the parent queued there; the child in jobs_0
+    assert (await _where(queue))[child] == (0, "waiting")
+    await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1,"
+                  " locked_by = 'w', locked_at = now() WHERE id = %s", parent)
+    completer = Completer(queue.database, "w", max_batch=10)  # through `jobs`
+    completer.add(Outcome(parent, 1, end, error="boom" if end == "failed" else None))
+    await _while_moved(queue, pg_dsn, completer.flush(), "the parent's end")
+    assert completer.refused == 0
+    if end == "done":
+        assert (await _where(queue))[child] == (1, "queued")
+        assert await fetchval(queue, "SELECT pending FROM {s}.jobs WHERE id = %s", child) == 0
+    else:
+        info = await queue.get(child)
+        assert info is not None and info.status == "cancelled", info
+        assert child not in await _where(queue)

@@ -188,7 +188,8 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
                        f"{stranded} waiting job(s) that no parent will release (ids {ids}"
                        f"{', ...' if stranded > len(first or []) else ''}): their parents "
                        "were removed without ending (a TRUNCATE of jobs, edges deleted by "
-                       "hand)",
+                       "hand), or ended while the leader moved the child between generations "
+                       "(before schema version 16)",
                        "cancel each (`python -m asyncjobq cancel ID`), or run them anyway: "
                        + sql.SQL("UPDATE {}.jobs SET status = 'queued', pending = 0"
                                  " WHERE id = ANY(<ids>) AND status = 'waiting'").format(
