@@ -536,25 +536,39 @@ async def test_a_misplaced_job_moved_meanwhile_still_goes_to_its_queue(
 @pytest.mark.parametrize("end", ["done", "failed"])
 async def test_a_child_moved_while_its_parent_ends_is_still_settled(
         queue: Queue, pg_dsn: str, end: str) -> None:
-    """A parent's end settles its waiting child in the statement that ends it
-    (job_deps_settle): done releases it, dead-lettered cancels it. Waiting for the child's row
-    while the leader's drain moves it, that statement finds it deleted: the child is looked
-    for again by a statement of its own (0016_settle_moved.sql). Missed, the edge counted as
-    applied and the child waited for ever."""
+    """A parent's end settles its waiting children in the statement that ends it
+    (job_deps_settle): done releases them, dead-lettered cancels them and theirs. Waiting for
+    a child's row while the leader's drain moves it, that statement finds it deleted: the
+    child is looked for again by a statement of its own (0016_settle_moved.sql). Missed, the
+    edge counted as applied and the child waited for ever. Its sibling, in the current
+    partition, is settled by the first statement, and the sibling's own child by the next
+    round, whose parents are the children cancelled by both."""
     parent = await queue.enqueue("p", {})
     child = await queue.enqueue("c", {}, after=[parent])
     await _rotate(queue)  # jobs_1 is current, the parent queued there; the child in jobs_0
-    assert (await _where(queue))[child] == (0, "waiting")
+    sibling = await queue.enqueue("c", {}, after=[parent])  # in jobs_1
+    grandchild = await queue.enqueue("g", {}, after=[sibling])
+    where = await _where(queue)
+    assert [where[i] for i in (child, grandchild, sibling)] == [
+        (0, "waiting"), (1, "waiting"), (1, "waiting")]
     await execute(queue, "UPDATE {s}.jobs SET status = 'running', attempts = 1,"
                   " locked_by = 'w', locked_at = now() WHERE id = %s", parent)
     completer = Completer(queue.database, "w", max_batch=10)  # through `jobs`
     completer.add(Outcome(parent, 1, end, error="boom" if end == "failed" else None))
     await _while_moved(queue, pg_dsn, completer.flush(), "the parent's end")
     assert completer.refused == 0
+    where = await _where(queue)
     if end == "done":
-        assert (await _where(queue))[child] == (1, "queued")
+        assert [where[i] for i in (child, grandchild, sibling)] == [
+            (1, "queued"), (1, "waiting"), (1, "queued")]
         assert await fetchval(queue, "SELECT pending FROM {s}.jobs WHERE id = %s", child) == 0
-    else:
-        info = await queue.get(child)
+        return
+    assert not {child, grandchild, sibling} & set(where)
+    why = {i: f"parent {p} was {how}" for i, p, how in (
+        (child, parent, "dead-lettered"), (sibling, parent, "dead-lettered"),
+        (grandchild, sibling, "cancelled"))}
+    for i, error in why.items():
+        info = await queue.get(i)
         assert info is not None and info.status == "cancelled", info
-        assert child not in await _where(queue)
+        assert info.last_error == error, info
+    assert (await queue.stats())["default"]["cancelled"] == 3

@@ -190,7 +190,8 @@ async def diagnose(queue: Queue, *, lease: float = 30.0, xmin_age: float = 60.0)
                        "were removed without ending (a TRUNCATE of jobs, edges deleted by "
                        "hand), or ended while the leader moved the child between generations "
                        "(before schema version 16)",
-                       "cancel each (`python -m asyncjobq cancel ID`), or run them anyway: "
+                       "`python -m asyncjobq get ID` shows how its parents ended: cancel "
+                       "it (`python -m asyncjobq cancel ID`), or run it anyway: "
                        + sql.SQL("UPDATE {}.jobs SET status = 'queued', pending = 0"
                                  " WHERE id = ANY(<ids>) AND status = 'waiting'").format(
                                      sql.Identifier(qs)).as_string(conn))

@@ -14,7 +14,10 @@ SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', t
 -- As 0012_workflows.sql says, and: `missed`, the children whose count this round did not
 -- find waiting (moved, or ended meanwhile: cancelled, run by hand), are counted down again
 -- in a statement of their own; a doomed child the cancel did not find is looked for once
--- more. The INSERT into jobs_history lists HISTORY_COLUMNS (src/asyncjobq/_db/sql/common.py).
+-- more. Those are locked after the children the first statement found: two parents ending at
+-- once that share a moved child and another can deadlock, and PostgreSQL ends one of them (a
+-- worker's flush is sent again). The INSERT into jobs_history lists HISTORY_COLUMNS
+-- (src/asyncjobq/_db/sql/common.py).
 CREATE OR REPLACE FUNCTION job_deps_settle(frontier bigint[], how text, only_child bigint)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
@@ -52,9 +55,13 @@ BEGIN
     SELECT (SELECT notify_lanes(current_schema() || '_jobs', array_agg(queue),
                                 array_agg(priority), array_agg(run_at)) FROM go WHERE status = 'queued'),
            ARRAY(SELECT child_id FROM hit), ARRAY(SELECT parent_id FROM hit), m.ids, m.ns
-      FROM (SELECT array_agg(g.child_id ORDER BY g.child_id),
-                   array_agg(g.n ORDER BY g.child_id)
-            FROM g WHERE NOT EXISTS (SELECT FROM go WHERE go.id = g.child_id)) AS m(ids, ns)
+      -- The children of `g` that `go` did not return, by one grouping (a join of the two
+      -- CTE scans could be a nested loop, quadratic in a parent of 10,000 children).
+      FROM (SELECT array_agg(x.child_id ORDER BY x.child_id), array_agg(x.n ORDER BY x.child_id)
+            FROM (SELECT u.child_id, max(u.n) AS n
+                  FROM (SELECT child_id, n, 1 AS k FROM g
+                        UNION ALL SELECT id, 0, -1 FROM go) u
+                  GROUP BY u.child_id HAVING sum(u.k) = 1) x) AS m(ids, ns)
       INTO sent, doomed, blamed, missed, missed_n;
     IF missed IS NOT NULL THEN
       WITH go AS (
@@ -72,7 +79,9 @@ BEGIN
     cancelled := '{}';
     FOR pass IN 1..2 LOOP
       -- The cancelled children's marks are taken off first: their DELETE must not fire the
-      -- trigger again (their children are this loop's next round).
+      -- trigger again (their children are this loop's next round). A child that has children
+      -- and is being moved is missed by this UPDATE but found by the DELETE, whose snapshot
+      -- is newer: its trigger then settles its children, as this loop would have.
       UPDATE jobs c SET dependents = NULL
       WHERE c.id = ANY(doomed) AND c.status::text = 'waiting' AND c.dependents;
       WITH gone AS (
@@ -99,6 +108,7 @@ BEGIN
              ARRAY(SELECT g.id FROM gone g)
         INTO sent, gone_ids;
       cancelled := cancelled || gone_ids;
+      EXIT WHEN cardinality(gone_ids) = cardinality(doomed);  -- every one found
       SELECT array_agg(x.child ORDER BY x.child), array_agg(x.parent ORDER BY x.child)
         FROM unnest(doomed, blamed) AS x(child, parent) WHERE x.child <> ALL(gone_ids)
         INTO doomed, blamed;
