@@ -355,23 +355,20 @@ class Heartbeat:
         self._last_ok = sent
         self._errors_seen.clear()
         self.beats += 1
-        unknown: set[tuple[int, int]] = set()  # not settled this beat: the next one looks
+        lost: set[tuple[int, int]] = set()
+        # A statement of its own sees the move. Not sent once the beat has taken half its
+        # bound, and its failure loses nothing the first statement renewed: the next beat
+        # looks for those attempts.
         if again and time.monotonic() - sent < self._bound / 2:
-            # A statement of its own sees the move. Its failure loses nothing the first
-            # statement renewed.
             try:
                 found, cancel_found = self._held(conn, again)
-                kept |= found
+                lost = set(again) - found
                 cancel |= cancel_found
             except psycopg.Error as e:
                 log.debug("heartbeat: %d attempt(s) not looked for again (%s)", len(again),
                           reason(e))
                 _close(conn)
                 conn = None
-                unknown = set(again)
-        else:
-            unknown = set(again)  # the beat has taken half its bound: the next one looks
-        lost = set(leased) - kept - unknown
         if (lost or cancel) and self._loop is not None:
             try:
                 if lost:

@@ -44,13 +44,14 @@ class Mover:
         while True:
             try:
                 async with self._db.connection() as conn:
-                    cur = await conn.execute(self._db.sql.job_move_to_task_queue, params)
-                    row = await cur.fetchone()
-                    if row is None:
-                        # A statement of its own sees a move of the row by the leader's
-                        # rotation that this one waited for (docs/how-it-works/storage.md).
+                    # Twice when the first finds nothing: a statement of its own sees a move
+                    # of the row by the leader's rotation that the first waited for
+                    # (docs/how-it-works/storage.md).
+                    for _ in range(2):
                         cur = await conn.execute(self._db.sql.job_move_to_task_queue, params)
                         row = await cur.fetchone()
+                        if row is not None:
+                            break
                 self._retry.succeeded()
                 break
             except RETRYABLE as e:
