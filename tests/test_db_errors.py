@@ -32,6 +32,18 @@ def warnings_from(caplog: pytest.LogCaptureFixture, logger: str, text: str) -> i
                and text in r.getMessage())
 
 
+def warnings_until_success(caplog: pytest.LogCaptureFixture, logger: str, text: str) -> int:
+    """warnings_from, counted up to the logger's first "works again" (RetryPolicy)."""
+    found = 0
+    for r in caplog.records:
+        if r.name != logger:
+            continue
+        if r.getMessage().endswith("works again"):
+            break
+        found += r.levelno == logging.WARNING and text in r.getMessage()
+    return found
+
+
 async def history_done(q: Queue, n: int) -> bool:
     """All n jobs left the hot table, each with one `done` row in history (its primary key is
     the job's id: one row per job at most)."""
@@ -78,8 +90,10 @@ async def test_statement_timeout_on_a_locked_table(queue: Queue, pg_dsn: str,
             await wait_for(lambda: history_done(queue, n), timeout=60, what="every job done")
             assert w.completed == n
         for part in PARTS:
-            # Once per kind until a success, with what to do: not once per retry.
-            assert warnings_from(caplog, part, "statement_timeout") == 1, part
+            # Once per kind until a success, with what to do: not once per retry. (After the
+            # lock's release a lane's statement that waited for it may still time out, beside
+            # the other lane's success: logged again, rightly, so the count stops there.)
+            assert warnings_until_success(caplog, part, "statement_timeout") == 1, part
     assert len(executions) == n
 
 
